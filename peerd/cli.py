@@ -1,0 +1,195 @@
+"""The `peerd` command: start, status, keygen, config validate/show, swarm.
+
+Flags are few and stable; anything else is set in YAML, in ``PEERD_*`` env variables, or with
+``-o section.key=value``. Every PeerdError becomes one readable message on stderr and exit code 1
+(2 for usage errors, as click does).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import yaml
+
+from peerd.config import PeerdConfig, dump_config, load_config
+from peerd.errors import ConfigError, PeerdError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = target
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"-o {dotted}: {part!r} is set twice", field=dotted)
+        node = child
+    node[parts[-1]] = value
+
+
+def _overrides(options: dict[str, Any]) -> dict[str, Any]:
+    """Turns the CLI flags that were actually given into a nested override mapping."""
+    result: dict[str, Any] = {}
+    for item in options.get("override") or ():
+        if "=" not in item:
+            raise ConfigError(f"-o {item!r}: expected section.key=value", field="-o")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(result, key.strip(), value)
+    flag_fields = {
+        "run_name": "run_name",
+        "initial_peers": "swarm.initial_peers",
+        "identity": "swarm.identity_path",
+        "host_maddrs": "swarm.host_maddrs",
+        "announce_maddrs": "swarm.announce_maddrs",
+        "control_host": "control.host",
+        "control_port": "control.port",
+        "log_level": "logging.level",
+        "log_format": "logging.format",
+    }
+    for option, dotted in flag_fields.items():
+        value = options.get(option)
+        if value is None or value == ():
+            continue
+        _set_dotted(result, dotted, list(value) if isinstance(value, tuple) else value)
+    return result
+
+
+def config_options(func: F) -> F:
+    """The flags shared by every command that builds a config."""
+    decorators = [
+        click.option("--config", "config_path", type=click.Path(path_type=Path), help="YAML config file."),
+        click.option("--run-name", help="Swarm name (run_name)."),
+        click.option("--initial-peers", multiple=True,
+                     help="Multiaddr of a peer to join through, ending in /p2p/<peer id>. Repeatable."),
+        click.option("--identity", type=click.Path(path_type=Path), help="Identity key file from `peerd keygen`."),
+        click.option("--host-maddrs", multiple=True, help="Multiaddr to listen on. Repeatable."),
+        click.option("--announce-maddrs", multiple=True, help="Multiaddr to announce to others. Repeatable."),
+        click.option("--control-host", help="Control endpoint bind address (loopback unless control.expose)."),
+        click.option("--control-port", type=int, help="Control endpoint port; 0 picks a free one."),
+        click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"])),
+        click.option("--log-format", type=click.Choice(["text", "json"])),
+        click.option("-o", "--override", multiple=True, metavar="KEY=VALUE",
+                     help="Set any option by its dotted YAML path, e.g. -o swarm.record_ttl=30. Repeatable."),
+    ]
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def _build_config(options: dict[str, Any]) -> PeerdConfig:
+    return load_config(options.get("config_path"), _overrides(options))
+
+
+def _fail(error: PeerdError) -> None:
+    click.echo(f"peerd: error: {error}", err=True)
+    sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="peerd")
+def cli() -> None:
+    """peerd: pool machines over the internet to train one model together."""
+
+
+@cli.command()
+@config_options
+def start(**options: Any) -> None:
+    """Start a peer daemon. Prints one JSON ready line on stdout, then logs on stderr."""
+    try:
+        config = _build_config(options)
+        from peerd.log import route_hivemind_logs, setup_logging
+
+        setup_logging(config.logging)
+        route_hivemind_logs(config.logging)
+        from peerd.daemon import run_daemon
+
+        sys.exit(run_daemon(config))
+    except PeerdError as e:
+        _fail(e)
+
+
+@cli.command()
+@click.option("--control", help="Control address of the daemon (its ready line's `control`).")
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="Use this config's control address when --control is not given.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for the daemon.")
+def status(control: str | None, config_path: Path | None, as_json: bool, timeout: float) -> None:
+    """Show a running daemon's identity, state and the peers it sees."""
+    from peerd.control.client import fetch_status
+    from peerd.tables import format_status
+
+    try:
+        address = control or load_config(config_path).control.url
+        data = fetch_status(address, timeout=timeout)
+    except PeerdError as e:
+        _fail(e)
+    click.echo(json.dumps(data, indent=2) if as_json else format_status(data))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace an existing file (the old peer id is lost).")
+def keygen(path: Path, force: bool) -> None:
+    """Write a new persistent identity to PATH and print its peer id."""
+    from peerd.swarm.identity import generate_identity
+
+    try:
+        click.echo(generate_identity(path, overwrite=force))
+    except PeerdError as e:
+        _fail(e)
+
+
+@cli.group()
+def config() -> None:
+    """Check or print configuration."""
+
+
+@config.command("validate")
+@click.argument("path", type=click.Path(path_type=Path))
+def config_validate(path: Path) -> None:
+    """Validate a YAML config file (env variables apply too, as at start)."""
+    try:
+        load_config(path)
+    except PeerdError as e:
+        _fail(e)
+    click.echo(f"{path}: OK")
+
+
+@config.command("show")
+@config_options
+def config_show(**options: Any) -> None:
+    """Print the effective config after defaults < YAML < env < flags."""
+    try:
+        click.echo(dump_config(_build_config(options)), nl=False)
+    except PeerdError as e:
+        _fail(e)
+
+
+@cli.command("swarm")
+@click.option("--peers", "n_peers", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=Path("configs/local.yaml"),
+              show_default=True, help="Config every local peer starts from.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for the swarm.")
+def swarm(n_peers: int, config_path: Path, timeout: float) -> None:
+    """Start N local peers on loopback, wait until they all see each other, print the table, stop them."""
+    from peerd.launcher import run_local_swarm
+
+    try:
+        sys.exit(run_local_swarm(n_peers, config_path, timeout=timeout))
+    except PeerdError as e:
+        _fail(e)
+
+
+def main() -> None:
+    cli(prog_name="peerd")

@@ -1,0 +1,244 @@
+"""The pydantic config tree and its one loader.
+
+Precedence, lowest to highest: field defaults < YAML file (``--config``) < environment (``PEERD_``, nested
+with ``__``: ``PEERD_SWARM__INITIAL_PEERS='["/ip4/..."]'``) < CLI flags. :func:`load_config` is the only
+place that merges them. Each component receives only its own sub-model (``SwarmConfig`` for the swarm, ...).
+Unknown keys are errors at every level, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from peerd.errors import AddressError, ConfigError
+
+ENV_PREFIX = "PEERD_"
+DEFAULT_CONTROL_PORT = 7710
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SwarmConfig(_Section):
+    """How this peer joins the swarm and what it tells others about itself."""
+
+    initial_peers: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs of peers to bootstrap from, each ending in /p2p/<peer id>. "
+        "Empty: this peer starts a new swarm.",
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        description="Multiaddrs to listen on. 0.0.0.0 lets peers on other hosts connect (hivemind's own "
+        "default, 127.0.0.1, would not); port 0 picks a free port.",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs to announce to others instead of the detected ones (e.g. a public IP or a "
+        "container DNS name). Ports must be explicit.",
+    )
+    identity_path: Path | None = Field(
+        default=None,
+        description="Private key file (from `peerd keygen`) that makes the peer id stable across restarts.",
+    )
+    roles: list[Literal["trainer", "expert_host", "bootstrap", "observer"]] = Field(
+        default_factory=lambda: ["trainer"], description="Roles advertised in this peer's record."
+    )
+    record_refresh_period: float = Field(
+        default=5.0, gt=0, description="Seconds between re-publications of this peer's record."
+    )
+    record_ttl: float = Field(
+        default=20.0, gt=0, description="Seconds a record stays in the DHT after its last refresh."
+    )
+    bootstrap_attempts: int = Field(default=3, ge=1, le=100, description="Tries to reach the initial peers.")
+    bootstrap_retry_delay: float = Field(
+        default=2.0, ge=0, description="Seconds before the first retry; doubles on each further try."
+    )
+    startup_timeout: float = Field(default=30.0, gt=0, description="Seconds for p2pd and the DHT to start.")
+    request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _check_initial_peers(cls, value: list[str]) -> list[str]:
+        from peerd.swarm.addresses import parse_peer_maddr
+
+        return [str(parse_peer_maddr(item, field=f"swarm.initial_peers[{i}]")) for i, item in enumerate(value)]
+
+    @field_validator("host_maddrs")
+    @classmethod
+    def _check_host_maddrs(cls, value: list[str]) -> list[str]:
+        from peerd.swarm.addresses import parse_listen_maddr
+
+        if not value:
+            raise ValueError("at least one listen multiaddr is required")
+        return [str(parse_listen_maddr(item, field=f"swarm.host_maddrs[{i}]")) for i, item in enumerate(value)]
+
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _check_announce_maddrs(cls, value: list[str]) -> list[str]:
+        from peerd.swarm.addresses import parse_announce_maddr
+
+        return [
+            str(parse_announce_maddr(item, field=f"swarm.announce_maddrs[{i}]")) for i, item in enumerate(value)
+        ]
+
+    @model_validator(mode="after")
+    def _check_ttl(self) -> SwarmConfig:
+        if self.record_ttl <= self.record_refresh_period:
+            raise ValueError(
+                f"swarm.record_ttl ({self.record_ttl}) must exceed swarm.record_refresh_period "
+                f"({self.record_refresh_period}), or records expire between refreshes: raise swarm.record_ttl"
+            )
+        return self
+
+
+class ControlConfig(_Section):
+    """The local control endpoint (HTTP) used by `peerd status` and, later, the status page and metrics."""
+
+    host: str = Field(default="127.0.0.1", description="Address to bind; loopback unless `expose` is set.")
+    port: int = Field(
+        default=DEFAULT_CONTROL_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one."
+    )
+    expose: bool = Field(
+        default=False, description="Allow binding a non-loopback address (the endpoint has no authentication)."
+    )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> ControlConfig:
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback and not self.expose:
+            raise ValueError(
+                f"control.host={self.host!r} is not a loopback address; the control endpoint has no "
+                "authentication, so set control.expose: true to bind it anyway"
+            )
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class LoggingConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
+    format: Literal["text", "json"] = Field(default="text", description="Log line format on stderr.")
+
+
+class CodecConfig(_Section):
+    """The 8-bit blockwise quantization codec used for averaging payloads."""
+
+    block_size: int = Field(default=64, ge=8, le=65536, description="Elements per absmax-scaled block.")
+    min_compress_numel: int = Field(
+        default=4096, ge=0, description="Tensors with fewer elements are sent as fp16 instead of 8-bit."
+    )
+    error_feedback: bool = Field(
+        default=True, description="Carry each round's quantization residual into the next round."
+    )
+
+
+class PeerdConfig(BaseSettings):
+    """Everything a peer needs. Each section below is handed only to the component that owns it."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True
+    )
+
+    run_name: str = Field(
+        default="peerd-demo",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="Name of the swarm; peers only see records of the same run.",
+    )
+    shutdown_timeout: float = Field(default=8.0, gt=0, description="Seconds for a graceful shutdown.")
+    swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # First source wins: CLI (passed as init kwargs) > env > YAML > field defaults.
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+
+_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("peerd_yaml_data", default={})
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Feeds the already-parsed YAML mapping of the current load into pydantic-settings' merge."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return _yaml_data.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_data.get())
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}", field="--config") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}", field="--config") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> PeerdConfig:
+    """Builds the effective config: defaults < YAML at ``path`` < ``PEERD_*`` env < ``overrides`` (CLI).
+
+    ``overrides`` is a nested mapping such as ``{"swarm": {"initial_peers": [...]}}``; pydantic-settings
+    deep-merges it over the lower sources, so a CLI flag replaces only the field it names.
+    """
+    token = _yaml_data.set(read_yaml(path) if path is not None else {})
+    try:
+        return PeerdConfig(**(overrides or {}))
+    except ValidationError as e:
+        raise config_error_from(e, source=str(path) if path else None) from None
+    finally:
+        _yaml_data.reset(token)
+
+
+def config_error_from(error: ValidationError, source: str | None = None) -> ConfigError:
+    """One readable message per invalid field, naming it in YAML dotted form and its env variable."""
+    lines = []
+    first_field = None
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "<root>"
+        first_field = first_field or field
+        cause = item.get("ctx", {}).get("error")
+        message = str(cause) if isinstance(cause, Exception) else item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown option (check the spelling; `peerd config show` lists all options)"
+        env = ENV_PREFIX + "__".join(str(p).upper() for p in item["loc"] if not isinstance(p, int))
+        shown = item.get("input")
+        value = "" if item["type"] in ("missing", "extra_forbidden") or isinstance(shown, dict) else f" = {shown!r}"
+        lines.append(f"  {field}{value}: {message} (YAML key {field}, env {env})")
+    where = f" in {source}" if source else ""
+    cls = AddressError if any("multiaddr" in line for line in lines) else ConfigError
+    return cls(f"invalid configuration{where}:\n" + "\n".join(lines), field=first_field)
+
+
+def dump_config(config: PeerdConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

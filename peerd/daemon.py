@@ -1,0 +1,177 @@
+"""The daemon: builds components from the config, supervises them on one uvloop loop, shuts down in reverse.
+
+Start order: swarm (p2pd + DHT) -> control endpoint -> first record -> ready line.
+Stop order: announce ``leaving`` -> control endpoint -> swarm. Each step is logged and bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+from peerd import __version__
+from peerd.config import PeerdConfig
+from peerd.control.server import ControlServer
+from peerd.errors import DaemonError, PeerdError
+from peerd.swarm.node import SwarmNode, now
+from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
+
+logger = logging.getLogger(__name__)
+
+
+class Daemon:
+    def __init__(self, config: PeerdConfig) -> None:
+        self.config = config
+        self.state = PeerState.STARTING
+        self.started_at = now()
+        self.stop_event = asyncio.Event()
+        self.swarm: SwarmNode | None = None
+        self.control: ControlServer | None = None
+        self._announce_now = asyncio.Event()
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name)
+        logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
+        self.control = await ControlServer.create(self.config.control, self.status)
+        self.state = PeerState.IDLE
+        await self.swarm.publish(self.record())
+
+    async def run(self, ready_stream: TextIO = sys.stdout) -> None:
+        """Starts, prints the ready line, supervises until a stop signal, then shuts down."""
+        try:
+            await self.start()
+            assert self.swarm is not None and self.control is not None  # set by start()
+            print(json.dumps(self.ready_info()), file=ready_stream, flush=True)
+            logger.info("Ready: control endpoint %s, reachable at %s", self.control.url,
+                        " ".join(self.swarm.visible_maddrs()))
+            await self._supervise()
+        finally:
+            await self.shutdown()
+
+    async def _supervise(self) -> None:
+        assert self.swarm is not None
+        period = self.config.swarm.record_refresh_period
+        while not self.stop_event.is_set():
+            # jitter keeps a swarm started at once from refreshing in lockstep
+            timeout = period * random.uniform(0.8, 1.0)
+            waiters = {asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(self._announce_now.wait())}
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+            self._announce_now.clear()
+            if self.stop_event.is_set():
+                break
+            if not self.swarm.alive():
+                raise DaemonError("the DHT child process (hivemind, p2pd) died; stopping this peer")
+            try:
+                await self.swarm.publish(self.record())
+            except PeerdError as e:
+                logger.warning("Could not refresh our peer record: %s", e)
+
+    async def shutdown(self) -> None:
+        timeout = self.config.shutdown_timeout
+        if self.swarm is not None and self.swarm.alive() and self.state is not PeerState.STARTING:
+            self.state = PeerState.LEAVING
+            try:
+                await asyncio.wait_for(self.swarm.publish_leaving(self.record()), timeout / 3)
+                logger.info("Announced leaving to the swarm")
+            except (PeerdError, asyncio.TimeoutError) as e:
+                logger.warning("Could not announce leaving: %s", e)
+        if self.control is not None:
+            await self.control.shutdown()
+            logger.info("Control endpoint stopped")
+            self.control = None
+        if self.swarm is not None:
+            await self.swarm.shutdown()
+            self.swarm = None
+
+    def request_stop(self) -> None:
+        if not self.stop_event.is_set():
+            logger.info("Stop requested; shutting down")
+        self.stop_event.set()
+
+    # --- views -----------------------------------------------------------------------------------------------
+
+    def record(self) -> PeerRecord:
+        assert self.swarm is not None
+        return PeerRecord(
+            peer_id=self.swarm.peer_id,
+            software_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            roles=list(self.config.swarm.roles),
+            state=self.state,
+            maddrs=self.swarm.visible_maddrs(),
+            capabilities=Capabilities(),
+            started_at=self.started_at,
+            updated_at=max(now(), self.started_at),
+        )
+
+    def ready_info(self) -> dict[str, Any]:
+        assert self.swarm is not None and self.control is not None
+        return {
+            "event": "ready",
+            "peer_id": self.swarm.peer_id,
+            "maddrs": self.swarm.visible_maddrs(),
+            "control": self.control.url,
+            "run_name": self.config.run_name,
+            "pid": os.getpid(),
+        }
+
+    async def status(self) -> dict[str, Any]:
+        assert self.swarm is not None
+        peers: list[dict[str, Any]] = []
+        error = None
+        try:
+            seen = await self.swarm.read_peers()
+        except PeerdError as e:
+            seen, error = [], str(e)
+        current = now()
+        for peer in seen:
+            if peer.record.peer_id == self.swarm.peer_id:
+                continue
+            entry = peer.record.to_wire()
+            entry["expires_in"] = round(peer.expires_at - current, 2)
+            entry["age"] = round(current - peer.record.updated_at, 2)
+            peers.append(entry)
+        return {
+            "peer_id": self.swarm.peer_id,
+            "run_name": self.config.run_name,
+            "software_version": __version__,
+            "state": self.state.value,
+            "maddrs": self.swarm.visible_maddrs(),
+            "uptime": round(current - self.started_at, 2),
+            "roles": list(self.config.swarm.roles),
+            "pid": os.getpid(),
+            "peers": peers,
+            "dht_error": error,
+        }
+
+
+def run_daemon(config: PeerdConfig, ready_stream: TextIO = sys.stdout) -> int:
+    """Runs a daemon on a fresh uvloop loop until SIGINT/SIGTERM; returns the process exit code."""
+    import uvloop
+
+    async def main() -> int:
+        daemon = Daemon(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.request_stop)
+        started = time.monotonic()
+        try:
+            await daemon.run(ready_stream)
+        except PeerdError as e:
+            logger.error("%s", e)
+            return 1
+        logger.info("Stopped cleanly after %.1fs", time.monotonic() - started)
+        return 0
+
+    return uvloop.run(main())

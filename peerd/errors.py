@@ -1,0 +1,92 @@
+"""The one error hierarchy of peerd.
+
+Every error peerd raises on purpose derives from :class:`PeerdError`, so callers (and the CLI, which turns
+them into a one-line message and a non-zero exit code) can catch them in one place::
+
+    PeerdError
+    ├── ConfigError              a config file, env var or CLI flag is invalid (names the field and value)
+    │   └── AddressError         a user-typed multiaddr is malformed or unusable
+    ├── IdentityError            an identity key file is missing, unreadable or not a key
+    ├── TransportError           talking to other peers failed
+    │   ├── BootstrapError       none of the initial peers could be reached after bounded retries
+    │   ├── PeerUnreachable      one peer could not be reached
+    │   └── RPCTimeout           a call to a peer did not finish in time
+    ├── ProtocolViolation        a peer sent something invalid (record, tensor, message); names the peer
+    │   └── CodecError           a compressed tensor payload failed validation
+    ├── AveragingError           an averaging round could not complete
+    │   └── GroupFailed          the group fell apart or could not be formed in time
+    ├── ControlError             the local control endpoint could not be started or reached
+    └── DaemonError              the daemon or one of its child processes failed
+
+Errors carry context as attributes (``peer_id``, ``field``, ``address``) in addition to the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PeerdError(Exception):
+    """Base of all errors raised by peerd on purpose."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+        for key, value in context.items():
+            setattr(self, key, value)
+
+
+class ConfigError(PeerdError):
+    """Invalid configuration; ``field`` names the option to change when known."""
+
+
+class AddressError(ConfigError, ValueError):
+    """A malformed or unusable multiaddr; ``field`` and ``address`` say which.
+
+    Also a ``ValueError`` so that pydantic validators report it as a field error of the config.
+    """
+
+
+class IdentityError(PeerdError):
+    """An identity key file that cannot be used."""
+
+
+class TransportError(PeerdError):
+    """Communication with other peers failed."""
+
+
+class BootstrapError(TransportError):
+    """No initial peer answered; ``addresses`` lists what was tried."""
+
+
+class PeerUnreachable(TransportError):
+    """A specific peer (``peer_id``) could not be reached."""
+
+
+class RPCTimeout(TransportError):
+    """A call to ``peer_id`` did not complete within its timeout."""
+
+
+class ProtocolViolation(PeerdError):
+    """A peer (``peer_id``) sent data that failed validation."""
+
+
+class CodecError(ProtocolViolation):
+    """A compressed tensor payload is malformed or inconsistent with its announced shape."""
+
+
+class AveragingError(PeerdError):
+    """An averaging round could not complete."""
+
+
+class GroupFailed(AveragingError):
+    """The averaging group could not be formed or lost members mid-round."""
+
+
+class ControlError(PeerdError):
+    """The local control endpoint could not be started or reached."""
+
+
+class DaemonError(PeerdError):
+    """The daemon or one of its child processes failed."""

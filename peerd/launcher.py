@@ -1,0 +1,243 @@
+"""Local swarms of real `peerd start` processes: the newcomer's first command and the tests' fixture.
+
+Each peer is a separate OS process with its own p2pd, on loopback, free ports, bootstrapped from the first
+peer's printed address. Every process tree is reaped, also when something fails half-way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from peerd.control.client import fetch_status
+from peerd.errors import DaemonError, PeerdError
+from peerd.tables import format_table
+
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Re-checks ``condition`` until it returns a truthy value; raises TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)  # polling interval of a bounded condition check, not a synchronisation guess
+
+
+class PeerProcess:
+    """One `peerd start` subprocess with its ready line, log file and whole process tree."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "peerd", "start", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        self._lines: queue.Queue[bytes] = queue.Queue()
+        self._tree: set[int] = {self.proc.pid}
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.ready: dict[str, Any] = {}
+        self.ready_after: float | None = None
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise DaemonError(f"{self.name} exited with code {self.proc.returncode} before it was "
+                                      f"ready:\n{self.log_tail()}") from None
+                continue
+            try:
+                info = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(info, dict) and info.get("event") == "ready":
+                self.ready = info
+                self.ready_after = time.monotonic() - self.started_at
+                self.remember_tree()
+                return info
+        raise DaemonError(f"{self.name} printed no ready line within {timeout:.0f}s:\n{self.log_tail()}")
+
+    @property
+    def control(self) -> str:
+        return str(self.ready["control"])
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.ready["peer_id"])
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any]:
+        return fetch_status(self.control, timeout=timeout)
+
+    def seen_peer_ids(self) -> set[str]:
+        try:
+            return {peer["peer_id"] for peer in self.status()["peers"]}
+        except PeerdError:
+            return set()
+
+    def remember_tree(self) -> None:
+        """Records every descendant (the DHT child and p2pd run in their own process group)."""
+        try:
+            self._tree |= {child.pid for child in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def alive_tree(self) -> list[int]:
+        alive = []
+        for pid in self._tree:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def send(self, sig: signal.Signals) -> None:
+        self.remember_tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signals the daemon, waits for it, then kills whatever of its tree is left. Returns its exit code."""
+        self.send(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return -9
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILLs the daemon and every descendant it ever had; safe to call repeatedly."""
+        self.remember_tree()
+        for pid in self._tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        if not self._log.closed:
+            self._log.close()
+
+    def log_tail(self, lines: int = 25) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(f"  [{self.name}] {line}" for line in text[-lines:])
+
+
+class LocalSwarm:
+    """N peers on loopback; peer 0 is the bootstrap, the rest join through its first visible address."""
+
+    def __init__(self, config_path: Path, log_dir: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+        self.config_path = config_path
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))
+        self.extra_args = list(extra_args)
+        self.peers: list[PeerProcess] = []
+
+    def spawn_peer(self, extra_args: Sequence[str] = ()) -> PeerProcess:
+        """Launches a peer (joining through peer 0 unless it is peer 0) without waiting for it."""
+        args = ["--config", str(self.config_path), "--control-port", "0", *self.extra_args, *extra_args]
+        if self.peers:
+            args += ["--initial-peers", self.peers[0].ready["maddrs"][0]]
+        peer = PeerProcess(f"peer{len(self.peers)}", args, self.log_dir)
+        self.peers.append(peer)
+        return peer
+
+    def add_peer(self, extra_args: Sequence[str] = (), timeout: float = 60.0) -> PeerProcess:
+        peer = self.spawn_peer(extra_args)
+        peer.wait_ready(timeout)
+        return peer
+
+    def start(self, n_peers: int, timeout: float = 60.0) -> None:
+        """Peer 0 first (the others need its address), then the rest side by side."""
+        if not self.peers:
+            self.add_peer(timeout=timeout)
+        joining = [self.spawn_peer() for _ in range(n_peers - len(self.peers))]
+        for peer in joining:
+            peer.wait_ready(timeout)
+
+    def wait_all_see_each_other(self, timeout: float = 60.0) -> None:
+        live = [p for p in self.peers if p.proc.poll() is None]
+
+        def complete() -> bool:
+            return all(p.seen_peer_ids() >= {q.peer_id for q in live if q is not p} for p in live)
+
+        wait_for(complete, timeout, f"all {len(live)} peers to list each other")
+
+    def stop(self) -> list[int]:
+        codes = []
+        for peer in reversed(self.peers):
+            codes.append(peer.stop())
+        return list(reversed(codes))
+
+    def kill_all(self) -> None:
+        for peer in self.peers:
+            peer.kill()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill_all()
+
+
+def swarm_table(peers: Sequence[PeerProcess]) -> str:
+    rows = []
+    for peer in peers:
+        status = peer.status()
+        rows.append([peer.name, peer.peer_id, status["state"], len(status["peers"]), f"{status['uptime']:.1f}s",
+                     peer.ready["maddrs"][0], peer.control])
+    return format_table(["name", "peer id", "state", "sees", "uptime", "address", "control"], rows)
+
+
+def run_local_swarm(n_peers: int, config_path: Path, timeout: float = 60.0) -> int:
+    """The README's first command: start, wait for a full mesh in the DHT, print it, stop cleanly."""
+    if not config_path.is_file():
+        raise DaemonError(f"config {config_path} not found; run from the repository root or pass --config")
+    with LocalSwarm(config_path) as swarm:
+        print(f"Starting {n_peers} peers (logs in {swarm.log_dir})", flush=True)
+        started = time.monotonic()
+        try:
+            swarm.start(n_peers, timeout=timeout)
+            swarm.wait_all_see_each_other(timeout=timeout)
+        except (PeerdError, TimeoutError) as e:
+            print(f"swarm failed: {e}", file=sys.stderr)
+            for peer in swarm.peers:
+                print(peer.log_tail(), file=sys.stderr)
+            return 1
+        print(f"All {n_peers} peers see each other after {time.monotonic() - started:.1f}s\n", flush=True)
+        print(swarm_table(swarm.peers), flush=True)
+        codes = swarm.stop()
+        print(f"\nStopped; exit codes {codes}", flush=True)
+        return 0 if all(code == 0 for code in codes) else 1

@@ -1,0 +1,42 @@
+"""Logging to stderr, as text for people or JSON lines for machines (``logging.format``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from peerd.config import LoggingConfig
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(config: LoggingConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.level)
+
+
+def route_hivemind_logs(config: LoggingConfig) -> None:
+    """hivemind installs its own handler; send its records through ours instead, one level quieter."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    level = logging.getLevelName(config.level)
+    logging.getLogger("hivemind").setLevel(max(logging.WARNING, level))

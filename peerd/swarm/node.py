@@ -1,0 +1,192 @@
+"""This peer's place in the swarm: hivemind's DHT (Kademlia over libp2p/p2pd) plus the peer-record API.
+
+hivemind runs the DHT in a child process that owns p2pd. We start that child in its own process group so
+that a Ctrl-C in the terminal reaches only the daemon, which can then announce ``leaving`` through a still
+working DHT before shutting it down; and we ask the kernel to kill it if the daemon itself dies abruptly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.dht import DHT
+from hivemind.p2p import P2PDaemonError
+from hivemind.utils.timed_storage import get_dht_time
+
+from peerd.config import SwarmConfig
+from peerd.errors import BootstrapError, DaemonError, ProtocolViolation, TransportError
+from peerd.swarm.records import PeerRecord, parse_record
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _IsolatedDHT(DHT):
+    """hivemind's DHT process, detached from the terminal's process group and tied to our lifetime."""
+
+    def run(self) -> None:
+        os.setpgid(0, 0)
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:  # not Linux/glibc: fall back to hivemind's own parent checks
+            pass
+        super().run()
+
+
+@dataclass(frozen=True)
+class SeenPeer:
+    record: PeerRecord
+    expires_at: float
+
+
+class SwarmNode:
+    """Owns the DHT child process; publishes this peer's record and reads everyone else's."""
+
+    def __init__(self, config: SwarmConfig, run_name: str, dht: DHT) -> None:
+        self.config = config
+        self.run_name = run_name
+        self.dht = dht
+        self.peer_id = str(dht.peer_id)
+        self._last_expiration = 0.0
+        self._dropped_logged_at: dict[str, float] = {}
+
+    @property
+    def records_key(self) -> str:
+        return f"{self.run_name}.peers"
+
+    @classmethod
+    async def create(cls, config: SwarmConfig, run_name: str) -> SwarmNode:
+        """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done."""
+        delay = config.bootstrap_retry_delay
+        last_error: Exception | None = None
+        for attempt in range(1, config.bootstrap_attempts + 1):
+            try:
+                # On the loop's own thread on purpose: PDEATHSIG is tied to the thread that forks the child,
+                # and nothing else runs on the loop before the swarm is up.
+                dht = cls._start_dht(config)
+                return cls(config, run_name, dht)
+            except (P2PDaemonError, TimeoutError, OSError) as e:
+                last_error = e
+                if not config.initial_peers:
+                    raise DaemonError(f"could not start p2pd/DHT: {e}") from e
+                logger.warning(
+                    "Bootstrap attempt %d/%d failed: %s", attempt, config.bootstrap_attempts, _short(e)
+                )
+                if attempt < config.bootstrap_attempts:
+                    await asyncio.sleep(delay)  # backoff between real connection attempts, not a sync wait
+                    delay *= 2
+        tried = ", ".join(config.initial_peers)
+        raise BootstrapError(
+            f"could not reach any initial peer after {config.bootstrap_attempts} attempts (tried: {tried}). "
+            f"Check that the peer is running, that the address (including /p2p/<peer id>) matches its ready "
+            f"line or `peerd status`, and that its port is reachable from here. Last error: {_short(last_error)}",
+            addresses=list(config.initial_peers),
+        )
+
+    @staticmethod
+    def _start_dht(config: SwarmConfig) -> DHT:
+        kwargs: dict[str, Any] = dict(
+            host_maddrs=list(config.host_maddrs),
+            startup_timeout=config.startup_timeout,
+            wait_timeout=config.request_timeout,
+        )
+        if config.announce_maddrs:
+            kwargs["announce_maddrs"] = list(config.announce_maddrs)
+        if config.identity_path is not None:
+            kwargs["identity_path"] = str(config.identity_path)
+        dht = _IsolatedDHT(initial_peers=list(config.initial_peers), start=False, **kwargs)
+        dht.run_in_background(await_ready=False)
+        try:
+            dht.wait_until_ready(timeout=config.startup_timeout)
+        except BaseException:
+            dht.shutdown()
+            raise
+        return dht
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def alive(self) -> bool:
+        return self.dht.is_alive()
+
+    async def publish(self, record: PeerRecord) -> None:
+        """Stores our record with a fresh expiration. Expirations only grow: the DHT keeps the newest."""
+        now = get_dht_time()
+        expiration = max(now + self.config.record_ttl, self._last_expiration + 1e-3)
+        await self._store(record, expiration)
+
+    async def publish_leaving(self, record: PeerRecord) -> None:
+        """Replaces our record with a ``leaving`` one that expires when the current one would have.
+
+        hivemind keeps the value with the latest expiration per subkey, so the leaving record must expire
+        (just) after the last one to replace it; it cannot be deleted outright.
+        """
+        await self._store(record, max(self._last_expiration, get_dht_time()) + 1e-3)
+
+    async def _store(self, record: PeerRecord, expiration: float) -> None:
+        future = self.dht.store(
+            self.records_key, record.to_wire(), expiration, subkey=self.peer_id, return_future=True
+        )
+        try:
+            ok = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise TransportError(f"storing our peer record timed out after {self.config.request_timeout}s") from e
+        self._last_expiration = expiration
+        if not ok:
+            logger.debug("DHT store of our record was not accepted by any node (alone in the swarm?)")
+
+    async def read_peers(self) -> list[SeenPeer]:
+        """All valid, unexpired records of this run, ours included, sorted by peer id."""
+        future = self.dht.get(self.records_key, latest=True, return_future=True)
+        try:
+            found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise TransportError(f"reading peer records timed out after {self.config.request_timeout}s") from e
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        peers = []
+        for subkey, entry in found.value.items():
+            value = getattr(entry, "value", None)
+            expiration = getattr(entry, "expiration_time", 0.0)
+            if expiration < now:
+                continue
+            try:
+                peers.append(SeenPeer(parse_record(subkey, value), expiration))
+            except ProtocolViolation as e:
+                self._log_dropped(str(subkey), e)
+        return sorted(peers, key=lambda p: p.record.peer_id)
+
+    def _log_dropped(self, subkey: str, error: ProtocolViolation) -> None:
+        # Status requests read the DHT often; one bad peer must not flood the log.
+        last = self._dropped_logged_at.get(subkey, -math.inf)
+        if time.monotonic() - last >= 60.0:
+            self._dropped_logged_at[subkey] = time.monotonic()
+            logger.warning("Dropping invalid record: %s", error)
+
+    async def shutdown(self) -> None:
+        started = time.monotonic()
+        await asyncio.to_thread(self.dht.shutdown)
+        logger.info("DHT and p2pd stopped in %.2fs", time.monotonic() - started)
+
+
+def _short(error: BaseException | None) -> str:
+    text = str(error) if error else "unknown"
+    return text.strip().splitlines()[-1][:300] if text.strip() else type(error).__name__
+
+
+def now() -> float:
+    return get_dht_time()
+
+
+__all__: Sequence[str] = ["SwarmNode", "SeenPeer", "now"]

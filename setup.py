@@ -1,0 +1,43 @@
+"""Compiles protocols/*.proto into the gitignored package peerd/proto/ at build time.
+
+The generated modules are never committed or hand-edited: every build (wheel, sdist, editable) makes them
+anew from the schemas, so the wire format has exactly one source of truth.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def compile_protos() -> None:
+    from grpc_tools import protoc  # build-system requirement
+
+    out_dir = os.path.join(HERE, "peerd", "proto")
+    os.makedirs(out_dir, exist_ok=True)
+    sources = sorted(glob.glob(os.path.join(HERE, "protocols", "*.proto")))
+    if not sources:
+        return
+    # Schemas are self-contained (no imports between .proto files), so the generated modules need no
+    # import rewriting, unlike hivemind's.
+    args = ["grpc_tools.protoc", f"-I{os.path.join(HERE, 'protocols')}", f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}", *sources]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed on {sources}")
+    init = os.path.join(out_dir, "__init__.py")
+    with open(init, "w") as f:
+        f.write('"""Generated from protocols/*.proto at build time; do not edit."""\n')
+
+
+class BuildPyWithProtos(build_py):
+    def run(self) -> None:
+        compile_protos()
+        super().run()
+
+
+setup(cmdclass={"build_py": BuildPyWithProtos})
