@@ -40,6 +40,14 @@ def wait_for(condition: Callable[[], T | None], timeout: float, what: str, inter
         time.sleep(interval)  # polling interval of a bounded condition check, not a synchronisation guess
 
 
+def describe_process(pid: int) -> str:
+    try:
+        proc = psutil.Process(pid)
+        return f"{pid} {proc.name()} ({proc.status()})"
+    except psutil.NoSuchProcess:
+        return f"{pid} (gone)"
+
+
 class PeerProcess:
     """One `peerd start` subprocess with its ready line, log file and whole process tree."""
 
@@ -58,9 +66,11 @@ class PeerProcess:
         )
         self._lines: queue.Queue[bytes] = queue.Queue()
         self._tree: set[int] = {self.proc.pid}
-        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
         self.ready: dict[str, Any] = {}
         self.ready_after: float | None = None
+        self.orphans: list[str] = []
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
@@ -128,14 +138,22 @@ class PeerProcess:
             self.proc.send_signal(sig)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 15.0) -> int:
-        """Signals the daemon, waits for it, then kills whatever of its tree is left. Returns its exit code."""
+        """Signals the daemon and waits for it; returns its exit code (-9 if it had to be killed).
+
+        Descendants still running a moment after the daemon exited are recorded in ``orphans`` (a clean
+        shutdown leaves none), then killed.
+        """
         self.send(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            return -9
-        finally:
-            self.kill()
+            code = -9
+        try:
+            wait_for(lambda: not self.alive_tree(), 2.0, "descendants to exit", interval=0.05)
+        except TimeoutError:
+            self.orphans = [describe_process(pid) for pid in self.alive_tree()]
+        self.kill()
+        return code
 
     def kill(self) -> None:
         """SIGKILLs the daemon and every descendant it ever had; safe to call repeatedly."""
@@ -147,6 +165,10 @@ class PeerProcess:
                 pass
         if self.proc.poll() is None:
             self.proc.wait(10)
+        # Descendants may hold the stdout pipe open a little longer; the reader ends at EOF.
+        self._reader.join(5)
+        if self.proc.stdout is not None and not self._reader.is_alive():
+            self.proc.stdout.close()
         if not self._log.closed:
             self._log.close()
 

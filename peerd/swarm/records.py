@@ -3,7 +3,7 @@
 Records are stored as plain mappings (hivemind serializes DHT values with msgpack) under the key
 ``<run_name>.peers`` with the peer id as subkey, so one lookup returns the whole swarm. The schema is
 ``peerd.v1.PeerRecord``; ``protocols/peer_record.v1.schema.json`` is generated from the model below
-(``python -m peerd.swarm.records``) and a test keeps the two identical.
+(``python scripts/gen_schemas.py``) and a test keeps the two identical.
 
 Readers never trust a record: fields are strictly typed, unknown fields are ignored (a newer peer may add
 some), and a record that fails validation raises ProtocolViolation, which the swarm node logs (at most once a
@@ -116,5 +116,5 @@ def json_schema() -> dict[str, Any]:
     return schema
 
 
-if __name__ == "__main__":
-    print(json.dumps(json_schema(), indent=2, sort_keys=True))
+def json_schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"

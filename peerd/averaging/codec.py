@@ -1,0 +1,251 @@
+"""peerd's 8-bit blockwise absmax codec for averaging payloads (wire format: ``protocols/codec.v1.md``).
+
+A large float tensor is cut into blocks of ``block_size`` consecutive elements (row-major order); each block
+travels as one bf16 scale and one int8 code per element, ``x ~= code * scale``, codes in [-127, 127]. Tensors
+with fewer than ``min_compress_numel`` elements travel as fp16, or raw in their own dtype when fp16 would
+overflow them or flush them below the int8 error bound. :func:`decode` trusts nothing in a payload: every
+inconsistency raises :class:`~peerd.errors.CodecError` naming the sending peer.
+
+Speed comes from fused passes over cache-sized chunks into preallocated buffers, so each fp32 element is read
+from memory once on encode and written once on decode, and the encoded bytes are written in place.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from enum import IntEnum
+
+import torch
+
+from peerd.config import CodecConfig
+from peerd.errors import CodecError
+
+__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "VERSION", "Scheme", "decode", "encode"]
+
+MAGIC = b"PDQ8"
+VERSION = 1
+MAX_NDIM = 32
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 65536
+# magic, version, scheme, dtype code, ndim, block size, reserved (0), numel; 24 bytes keeps the bodies 8-aligned.
+HEADER = struct.Struct("<4sBBBBIIQ")
+
+
+class Scheme(IntEnum):
+    RAW = 0  # body: numel elements of the original dtype
+    FP16 = 1  # body: numel fp16 elements, cast back to the original dtype
+    INT8_BLOCKWISE = 2  # body: ceil(numel / block_size) bf16 scales, then numel int8 codes
+
+
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def _f32_bits(value: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", value))[0])
+
+
+def _bf16_floor(value: float) -> float:
+    return float(struct.unpack("<f", struct.pack("<I", _f32_bits(value) & 0xFFFF0000))[0])
+
+
+# Scales are rounded *up* to bf16 (fp32's range in 2 bytes), so no code exceeds 127; the floor gives all-zero
+# blocks a finite reciprocal, the ceiling keeps 127 * scale finite in fp32.
+MIN_SCALE = 2.0**-126
+MAX_SCALE = _bf16_floor(torch.finfo(torch.float32).max / 127)
+_MAX_SCALE_BITS = _f32_bits(MAX_SCALE) >> 16
+FP16_MAX = 65504.0
+# Below this absmax the fp16 subnormal step (2**-24) is coarser than the int8 codec's bound absmax / 254.
+FP16_MIN_ABSMAX = 254 * 2.0**-25
+# Elements per fused pass: the fp32 scratch (1 MiB) stays in L2, so the chunk is read from DRAM only once.
+CHUNK_NUMEL = 1 << 18
+
+
+def encode(tensor: torch.Tensor, config: CodecConfig) -> bytearray:
+    """Serializes a float32/float16/bfloat16 tensor; ``bytes(result)`` if an immutable copy is needed.
+
+    Raises ``TypeError`` for other dtypes and ``ValueError`` for NaN/Inf elements (a peer never sends them).
+    """
+    if tensor.dtype not in DTYPE_CODES:
+        raise TypeError(f"codec supports float32, float16 and bfloat16 tensors, got {tensor.dtype}")
+    if tensor.dim() > MAX_NDIM:
+        raise ValueError(f"codec supports at most {MAX_NDIM} dimensions, got {tensor.dim()}")
+    flat = tensor.detach().reshape(-1)  # a view when contiguous; one gather otherwise
+    if flat.numel() >= max(config.min_compress_numel, 1):
+        return _encode_blockwise(flat, tuple(tensor.shape), config.block_size)
+    return _encode_small(flat, tuple(tensor.shape))
+
+
+def _payload(scheme: Scheme, dtype: torch.dtype, shape: tuple[int, ...], block: int, body: int) -> tuple[bytearray, int]:
+    head = HEADER.size + 8 * len(shape)
+    buf = bytearray(head + body)
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, scheme, DTYPE_CODES[dtype], len(shape), block, 0, math.prod(shape))
+    struct.pack_into(f"<{len(shape)}Q", buf, HEADER.size, *shape)
+    return buf, head
+
+
+def _non_finite(dtype: torch.dtype) -> ValueError:
+    return ValueError(f"refusing to encode a {dtype} tensor containing NaN or Inf; peers must never send them")
+
+
+def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
+    absmax = float(flat.abs().max()) if flat.numel() else 0.0
+    if not math.isfinite(absmax):
+        raise _non_finite(flat.dtype)
+    fits_fp16 = flat.dtype == torch.float16 or absmax == 0.0 or FP16_MIN_ABSMAX <= absmax <= FP16_MAX
+    scheme, body_dtype = (Scheme.FP16, torch.float16) if fits_fp16 else (Scheme.RAW, flat.dtype)
+    buf, head = _payload(scheme, flat.dtype, shape, 0, flat.numel() * body_dtype.itemsize)
+    if flat.numel():
+        torch.frombuffer(buf, dtype=body_dtype, count=flat.numel(), offset=head).copy_(flat)
+    return buf
+
+
+def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int) -> bytearray:
+    numel, full = flat.numel(), flat.numel() // block
+    nblocks = -(-numel // block)
+    buf, head = _payload(Scheme.INT8_BLOCKWISE, flat.dtype, shape, block, 2 * nblocks + numel)
+    codes = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=head + 2 * nblocks)
+    absmax, scales = torch.empty(nblocks), torch.empty(nblocks)
+    rows = max(1, CHUNK_NUMEL // block)
+    scratch = torch.empty(max(min(rows, full), 1), block)
+    body, body_codes = flat[: full * block].view(full, block), codes[: full * block].view(full, block)
+    for r0 in range(0, full, rows):
+        r1 = min(r0 + rows, full)
+        _quantize_rows(body[r0:r1], body_codes[r0:r1], absmax[r0:r1], scales[r0:r1], scratch[: r1 - r0])
+    if full < nblocks:  # the partial last block, handled apart so the body above stays a zero-copy view
+        tail = numel - full * block
+        _quantize_rows(
+            flat[full * block :].view(1, tail), codes[full * block :].view(1, tail),
+            absmax[full:], scales[full:], scratch.view(-1)[:tail].view(1, tail),
+        )  # fmt: skip
+    if not math.isfinite(float(absmax.max())):  # amax propagates NaN, so one check covers every element
+        raise _non_finite(flat.dtype)
+    torch.frombuffer(buf, dtype=torch.bfloat16, count=nblocks, offset=head).copy_(scales)  # exact: bf16 values
+    return buf
+
+
+def _quantize_rows(
+    rows: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, scales: torch.Tensor, tmp: torch.Tensor
+) -> None:
+    torch.amax(torch.abs(rows, out=tmp), dim=1, out=absmax)
+    torch.div(absmax, 127.0, out=scales).clamp_(min=MIN_SCALE)
+    # Round up to bf16 by carrying into the high half of the fp32 bits (scales are positive here).
+    scales.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
+    scales.clamp_(max=MAX_SCALE)
+    torch.mul(rows, scales.reciprocal().unsqueeze(1), out=tmp).round_()
+    # Only a block whose absmax exceeds 127 * MAX_SCALE (near float32 max) can reach 128 here.
+    codes.copy_(tmp.clamp_(-127.0, 127.0))
+
+
+def _fail(peer_id: str, reason: str) -> CodecError:
+    return CodecError(f"invalid codec payload from peer {peer_id}: {reason}", peer_id=peer_id)
+
+
+def _view(buf: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    with warnings.catch_warnings():  # received bytes are read-only; decode only ever reads these views
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+
+def decode(
+    payload: bytes | bytearray | memoryview,
+    *,
+    peer_id: str,
+    expected_shape: tuple[int, ...] | None = None,
+    max_numel: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Validates a payload from ``peer_id`` and returns the tensor, or raises :class:`CodecError`.
+
+    ``out`` (contiguous, with the payload's shape and dtype) receives the result instead of a new tensor,
+    which saves the page faults of a fresh allocation.
+    """
+    buf = memoryview(payload).cast("B")
+    size = buf.nbytes
+    if size < HEADER.size:
+        raise _fail(peer_id, f"truncated: {size} bytes, shorter than the {HEADER.size}-byte header")
+    magic, version, scheme_code, dtype_code, ndim, block, reserved, numel = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise _fail(peer_id, f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise _fail(peer_id, f"unsupported codec version {version}, this peer speaks version {VERSION}")
+    if scheme_code not in Scheme._value2member_map_:
+        raise _fail(peer_id, f"unknown scheme {scheme_code}")
+    scheme = Scheme(scheme_code)
+    if dtype_code not in _DTYPES:
+        raise _fail(peer_id, f"unknown dtype code {dtype_code}")
+    dtype = _DTYPES[dtype_code]
+    if reserved != 0 or ndim > MAX_NDIM:
+        raise _fail(peer_id, f"reserved field {reserved} (must be 0) or ndim {ndim} (max {MAX_NDIM})")
+    head = HEADER.size + 8 * ndim
+    if size < head:
+        raise _fail(peer_id, f"truncated: {size} bytes, shorter than the {head}-byte header with shape")
+    shape = struct.unpack_from(f"<{ndim}Q", buf, HEADER.size)
+    if math.prod(shape) != numel:
+        raise _fail(peer_id, f"numel {numel} does not match shape {shape}")
+    wanted = expected_shape if expected_shape is not None else (None if out is None else tuple(out.shape))
+    if wanted is not None and shape != tuple(wanted):
+        raise _fail(peer_id, f"shape {shape} differs from the expected {tuple(wanted)}")
+    if max_numel is not None and numel > max_numel:
+        raise _fail(peer_id, f"{numel} elements exceed the limit of {max_numel}")
+    if scheme is Scheme.INT8_BLOCKWISE:
+        if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+            raise _fail(peer_id, f"block size {block} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+        nblocks = -(-numel // block)
+        body = 2 * nblocks + numel
+    elif block != 0:
+        raise _fail(peer_id, f"block size {block} given for non-blockwise scheme {scheme.name}")
+    else:
+        body = numel * (2 if scheme is Scheme.FP16 else dtype.itemsize)
+    if size != head + body:
+        kind = "truncated" if size < head + body else "oversized"
+        raise _fail(peer_id, f"{kind}: {size} bytes, but the header announces {head + body}")
+    if out is not None:
+        if out.dtype != dtype:
+            raise _fail(peer_id, f"dtype {dtype} differs from the expected {out.dtype}")
+        if not out.is_contiguous():
+            raise ValueError("decode(out=...) needs a contiguous tensor")
+    result = out if out is not None else torch.empty(shape, dtype=dtype)
+    if numel == 0:
+        return result
+    if scheme is Scheme.INT8_BLOCKWISE:
+        _dequantize(buf, head, nblocks, block, result.view(-1), peer_id)
+        return result
+    values = _view(buf, torch.float16 if scheme is Scheme.FP16 else dtype, numel, head)
+    if not bool(torch.isfinite(values).all()):
+        raise _fail(peer_id, f"NaN or Inf in the {scheme.name} body")
+    result.view(-1).copy_(values)
+    return result
+
+
+def _dequantize(buf: memoryview, head: int, nblocks: int, block: int, flat: torch.Tensor, peer_id: str) -> None:
+    raw_scales = _view(buf, torch.int16, nblocks, head)
+    low, high = (int(v) for v in torch.aminmax(raw_scales))
+    if low < 0 or high > _MAX_SCALE_BITS:  # bit order = value order for non-negative bf16; NaN/Inf sort above
+        bad = raw_scales[(raw_scales < 0) | (raw_scales > _MAX_SCALE_BITS)][0].view(torch.bfloat16).item()
+        raise _fail(peer_id, f"block scale {bad} is negative, NaN, Inf or above {MAX_SCALE:.4e}")
+    codes = _view(buf, torch.int8, flat.numel(), head + 2 * nblocks)
+    if int(codes.min()) == -128:
+        raise _fail(peer_id, "code -128 (the encoder only emits [-127, 127])")
+    scales = raw_scales.view(torch.bfloat16).float()
+    numel, full = flat.numel(), flat.numel() // block
+    rows = max(1, CHUNK_NUMEL // block)
+    # fp16/bf16 results go through an fp32 scratch, saturated so a scale rounded up cannot overflow to inf.
+    scratch = None if flat.dtype == torch.float32 else torch.empty(max(min(rows, full), 1), block)
+    body, body_codes = flat[: full * block].view(full, block), codes[: full * block].view(full, block)
+    for r0 in range(0, full, rows):
+        r1 = min(r0 + rows, full)
+        _dequantize_rows(body_codes[r0:r1], scales[r0:r1], body[r0:r1], None if scratch is None else scratch[: r1 - r0])
+    if full < nblocks:
+        tail = numel - full * block
+        tmp = None if scratch is None else scratch.view(-1)[:tail].view(1, tail)
+        _dequantize_rows(codes[full * block :].view(1, tail), scales[full:], flat[full * block :].view(1, tail), tmp)
+
+
+def _dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor | None) -> None:
+    target = out if tmp is None else tmp
+    target.copy_(codes).mul_(scales.unsqueeze(1))
+    if tmp is not None:
+        limit = torch.finfo(out.dtype).max
+        out.copy_(tmp.clamp_(-limit, limit))

@@ -1,0 +1,34 @@
+"""Shared fixtures. Every child process a test starts is reaped, also when the test fails."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_CONFIG = REPO / "configs" / "local.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _no_peerd_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's own PEERD_* variables must not leak into tests."""
+    for key in list(os.environ):
+        if key.startswith("PEERD_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_leftover_children() -> Iterator[None]:
+    yield
+    me = psutil.Process()
+    leftovers = me.children(recursive=True)
+    for child in leftovers:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)

@@ -1,0 +1,128 @@
+"""Real processes: `peerd start` subprocesses with their own p2pd, on loopback, bootstrapped from peer 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from tests.conftest import LOCAL_CONFIG
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    with LocalSwarm(LOCAL_CONFIG, log_dir=tmp_path) as local_swarm:
+        yield local_swarm
+
+
+def peerd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "peerd", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(150)
+def test_three_peers_see_each_other_and_a_stopped_peer_disappears(swarm: LocalSwarm) -> None:
+    swarm.start(3)
+    first, second, third = swarm.peers
+    assert all(p.ready["maddrs"] and p.ready["control"].startswith("http://127.0.0.1:") for p in swarm.peers)
+    swarm.wait_all_see_each_other(timeout=45)
+
+    # The CLI, as a user runs it, against each daemon's own control endpoint.
+    for peer in swarm.peers:
+        result = peerd("status", "--control", peer.control, "--json", timeout=30)
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["peer_id"] == peer.peer_id
+        assert {p["peer_id"] for p in data["peers"]} == {q.peer_id for q in swarm.peers if q is not peer}
+        assert all(p["state"] == "idle" and p["maddrs"] for p in data["peers"])
+        assert data["uptime"] > 0 and data["maddrs"]
+    human = peerd("status", "--control", first.control, timeout=30)
+    assert human.returncode == 0 and second.peer_id[-6:] in human.stdout and "peers seen (2)" in human.stdout
+
+    # SIGTERM the third: it announces leaving, exits 0 with its whole process tree gone ...
+    tree = set(third.alive_tree())
+    assert len(tree) >= 3, "expected daemon, DHT child and p2pd"
+    assert third.stop(signal.SIGTERM, timeout=12) == 0
+    assert third.orphans == [], "child processes outlived the daemon"
+    assert "Announced leaving" in third.log_path.read_text()
+
+    # ... and the others drop it once its record expires (record_ttl in configs/local.yaml is 8 s).
+    for peer in (first, second):
+        wait_for(lambda p=peer: third.peer_id not in p.seen_peer_ids(), 30, f"{peer.name} to forget peer2")
+        assert second.peer_id in first.seen_peer_ids() or peer is second
+
+    codes = [peer.stop(signal.SIGTERM, timeout=12) for peer in (second, first)]
+    assert codes == [0, 0]
+    assert first.orphans == [] and second.orphans == []
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_to_the_process_group_shuts_down_cleanly(swarm: LocalSwarm) -> None:
+    """A terminal's Ctrl-C reaches the whole foreground group; the DHT must survive to announce leaving."""
+    peer = swarm.add_peer()
+    tree = peer.alive_tree()
+    import os
+
+    os.killpg(peer.proc.pid, signal.SIGINT)
+    assert peer.proc.wait(12) == 0
+    assert "Announced leaving" in peer.log_path.read_text()
+    wait_for(lambda: not peer.alive_tree(), 5, "the process tree to exit")
+    assert set(tree) >= {peer.proc.pid}
+
+
+@pytest.mark.timeout(60)
+def test_bad_initial_peers_value_exits_with_a_readable_message() -> None:
+    result = peerd("start", "--config", str(LOCAL_CONFIG), "--initial-peers", "/ip4/127.0.0.1/tcp/4001")
+    assert result.returncode == 1
+    assert "swarm.initial_peers[0]" in result.stderr and "/p2p/" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.timeout(90)
+def test_unreachable_bootstrap_exits_after_bounded_retries(tmp_path: Path) -> None:
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWPGVdJA78uHzBaDhQwqcrKkim73xy95Amd9qCuoKhvDVB"
+    peer = PeerProcess(
+        "lonely",
+        ["--config", str(LOCAL_CONFIG), "--initial-peers", dead, "-o", "swarm.bootstrap_retry_delay=0.2"],
+        tmp_path,
+    )
+    try:
+        code = peer.proc.wait(60)
+    finally:
+        peer.kill()
+    log = peer.log_path.read_text()
+    assert code == 1
+    assert "could not reach any initial peer after 3 attempts" in log and dead in log
+    assert "Traceback" not in log
+
+
+@pytest.mark.timeout(120)
+def test_identity_keeps_the_peer_id_across_restarts(tmp_path: Path) -> None:
+    key = tmp_path / "peer.key"
+    result = peerd("keygen", str(key))
+    assert result.returncode == 0, result.stderr
+    expected = result.stdout.strip()
+    assert peerd("keygen", str(key)).returncode == 1  # never overwrites silently
+
+    for attempt in range(2):
+        peer = PeerProcess(f"id{attempt}", ["--config", str(LOCAL_CONFIG), "--identity", str(key)], tmp_path)
+        try:
+            assert peer.wait_ready(60)["peer_id"] == expected
+            assert peer.stop() == 0
+        finally:
+            peer.kill()
+
+
+@pytest.mark.timeout(30)
+def test_status_without_a_daemon_is_a_clear_error() -> None:
+    result = peerd("status", "--control", "127.0.0.1:9", "--timeout", "2")
+    assert result.returncode == 1
+    assert "no peerd daemon answered at http://127.0.0.1:9/status" in result.stderr
