@@ -128,14 +128,19 @@ def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int) ->
 def _quantize_rows(
     rows: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, scales: torch.Tensor, tmp: torch.Tensor
 ) -> None:
-    torch.amax(torch.abs(rows, out=tmp), dim=1, out=absmax)
-    torch.div(absmax, 127.0, out=scales).clamp_(min=MIN_SCALE)
-    # Round up to bf16 by carrying into the high half of the fp32 bits (scales are positive here).
+    if rows.dtype == torch.float32:
+        torch.amax(torch.abs(rows, out=tmp), dim=1, out=absmax)
+        src = rows
+    else:  # widen once; the reductions and the product then run on the fp32 copy
+        src = tmp.copy_(rows)
+        torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=absmax)
+    torch.mul(absmax, 1 / 127, out=scales)
+    # Round up to bf16 by carrying into the high half of the fp32 bits (scales are non-negative here).
     scales.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
-    scales.clamp_(max=MAX_SCALE)
-    torch.mul(rows, scales.reciprocal().unsqueeze(1), out=tmp).round_()
-    # Only a block whose absmax exceeds 127 * MAX_SCALE (near float32 max) can reach 128 here.
-    codes.copy_(tmp.clamp_(-127.0, 127.0))
+    scales.clamp_(MIN_SCALE, MAX_SCALE)
+    # No clamp to [-127, 127] needed: |x| / MAX_SCALE <= float32 max / MAX_SCALE = 127.007 still rounds to 127.
+    torch.mul(src, scales.reciprocal().unsqueeze(1), out=tmp).round_()
+    codes.copy_(tmp)
 
 
 def _fail(peer_id: str, reason: str) -> CodecError:

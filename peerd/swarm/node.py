@@ -2,17 +2,18 @@
 
 hivemind runs the DHT in a child process that owns p2pd. We start that child in its own process group so
 that a Ctrl-C in the terminal reaches only the daemon, which can then announce ``leaving`` through a still
-working DHT before shutting it down; and we ask the kernel to kill it if the daemon itself dies abruptly.
+working DHT before shutting it down; and that group kills itself if the daemon itself dies abruptly.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import math
 import os
+import select
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,19 +29,34 @@ from peerd.swarm.records import PeerRecord, parse_record
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-
-
 class _IsolatedDHT(DHT):
     """hivemind's DHT process, detached from the terminal's process group and tied to our lifetime."""
 
     def run(self) -> None:
         os.setpgid(0, 0)
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:  # not Linux/glibc: fall back to hivemind's own parent checks
-            pass
+        _die_with_parent()
         super().run()
+
+
+def _die_with_parent() -> None:
+    """Kills this process group (the DHT child and its p2pd) as soon as the daemon that forked it is gone.
+
+    A graceful daemon shuts the DHT down itself; this covers SIGKILL/OOM of the daemon, which would otherwise
+    leave the DHT child and p2pd running (hivemind's child catches SIGTERM, so PDEATHSIG alone is not enough).
+    """
+    parent = os.getppid()
+    try:
+        parent_fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        return  # kernel without pidfd: the daemon's own shutdown path still stops the DHT
+    if os.getppid() != parent:  # parent died before we got the fd
+        os.killpg(0, signal.SIGKILL)
+
+    def watch() -> None:
+        select.select([parent_fd], [], [])  # readable once the parent process has exited
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="peerd-parent-watch", daemon=True).start()
 
 
 @dataclass(frozen=True)
@@ -71,8 +87,7 @@ class SwarmNode:
         last_error: Exception | None = None
         for attempt in range(1, config.bootstrap_attempts + 1):
             try:
-                # On the loop's own thread on purpose: PDEATHSIG is tied to the thread that forks the child,
-                # and nothing else runs on the loop before the swarm is up.
+                # Blocking the loop here is fine: nothing else runs on it before the swarm is up.
                 dht = cls._start_dht(config)
                 return cls(config, run_name, dht)
             except (P2PDaemonError, TimeoutError, OSError) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -68,13 +69,21 @@ def test_ctrl_c_to_the_process_group_shuts_down_cleanly(swarm: LocalSwarm) -> No
     """A terminal's Ctrl-C reaches the whole foreground group; the DHT must survive to announce leaving."""
     peer = swarm.add_peer()
     tree = peer.alive_tree()
-    import os
-
     os.killpg(peer.proc.pid, signal.SIGINT)
     assert peer.proc.wait(12) == 0
     assert "Announced leaving" in peer.log_path.read_text()
     wait_for(lambda: not peer.alive_tree(), 5, "the process tree to exit")
     assert set(tree) >= {peer.proc.pid}
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_daemon_leaves_no_p2pd_behind(swarm: LocalSwarm) -> None:
+    peer = swarm.add_peer()
+    tree = peer.alive_tree()
+    assert len(tree) >= 3
+    peer.proc.kill()
+    peer.proc.wait(10)
+    wait_for(lambda: not peer.alive_tree(), 10, "the DHT child and p2pd to follow the killed daemon")
 
 
 @pytest.mark.timeout(60)
