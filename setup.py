@@ -24,7 +24,8 @@ def compile_protos() -> None:
     if not sources:
         return
     # Schemas are self-contained (no imports between .proto files), so the generated modules need no
-    # import rewriting, unlike hivemind's.
+    # import rewriting, unlike hivemind's. File names start with "peerd_" because protobuf's default
+    # descriptor pool is keyed by file name and hivemind already registers e.g. "averaging.proto".
     args = ["grpc_tools.protoc", f"-I{os.path.join(HERE, 'protocols')}", f"--python_out={out_dir}",
             f"--pyi_out={out_dir}", *sources]
     if protoc.main(args) != 0:

@@ -146,6 +146,62 @@ class CodecConfig(_Section):
     )
 
 
+class AveragingConfig(_Section):
+    """Group formation and the all-reduce of gradients and parameters."""
+
+    codec: CodecConfig = Field(default_factory=lambda: CodecConfig())
+    target_group_size: int = Field(default=4, ge=2, le=64, description="Members per averaging group, at most.")
+    min_group_size: int = Field(default=2, ge=2, description="Fewer ready peers than this: step alone.")
+    matchmaking_window: float = Field(
+        default=1.5, gt=0, description="Seconds the first ready peer waits for others before the group is fixed."
+    )
+    round_timeout: float = Field(
+        default=20.0, gt=0, description="Seconds a reducer waits for contributions and a sender for its result."
+    )
+    join_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds a reducer waits for its own side of a round a sender already started."
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> AveragingConfig:
+        if self.min_group_size > self.target_group_size:
+            raise ValueError(
+                f"averaging.min_group_size ({self.min_group_size}) exceeds averaging.target_group_size "
+                f"({self.target_group_size}): lower min_group_size or raise target_group_size"
+            )
+        if self.join_timeout >= self.round_timeout:
+            raise ValueError("averaging.join_timeout must be below averaging.round_timeout: lower join_timeout")
+        return self
+
+
+class TaskConfig(_Section):
+    """What is trained: a built-in task or a custom ``package.module:function``."""
+
+    name: str = Field(
+        default="lm",
+        pattern=r"^([a-z_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        description="'synthetic' (teacher-student regression with a known optimum), 'lm' (byte-level "
+        "transformer on the Python standard library's source files) or 'package.module:function'.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Task-specific options, validated by the task (unknown keys are errors)."
+    )
+    seed: int = Field(default=0, description="Seed for the initial model; must match across the swarm.")
+    shard_index: int | None = Field(
+        default=None, ge=0, description="Which data shard this peer reads; default derived from the peer id."
+    )
+    num_shards: int = Field(default=16, ge=1, description="Number of data shards the data is split into.")
+
+    @model_validator(mode="after")
+    def _check_shard(self) -> TaskConfig:
+        if self.shard_index is not None and self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"training.task.shard_index ({self.shard_index}) must be below training.task.num_shards "
+                f"({self.num_shards}): lower the index or raise num_shards"
+            )
+        return self
+
+
 class PeerdConfig(BaseSettings):
     """Everything a peer needs. Each section below is handed only to the component that owns it."""
 

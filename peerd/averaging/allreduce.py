@@ -1,0 +1,246 @@
+"""Weighted all-reduce of one flat tensor within a group, 8-bit coded, over libp2p streams.
+
+Reduce-scatter then all-gather, as hivemind's butterfly all-reduce: the flat tensor is cut into one span
+per member (aligned to codec blocks); member ``r`` reduces span ``r``. Every other member opens one stream
+to it, sends its coded contribution and receives the coded average back on the same stream. The reducer
+also decodes its own coded average, so every member ends with bit-identical values.
+
+A contribution that fails validation (wrong round, span, size, weight, NaN/Inf, bad codec payload) is
+refused with a reason, logged with the sender's peer id and left out of the average; a member that does
+not answer within the round's timeout is left out too. Spans whose reducer failed keep this peer's own
+values, so the result is always finite and the caller learns which peers were excluded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from peerd.averaging import codec
+from peerd.averaging.reducer import SpanReducer, max_payload_bytes
+from peerd.averaging.wire import frame_size, read_frame, read_message, write_frame, write_message
+from peerd.config import AveragingConfig
+from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
+from peerd.proto import peerd_averaging_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+HANDLER_NAME = "peerd.v1.averaging.reduce"
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Group:
+    """The members of one all-reduce round, in rank order; identical on every member."""
+
+    round_id: str
+    members: tuple[str, ...]
+
+    def rank_of(self, peer_id: str) -> int:
+        return self.members.index(peer_id)
+
+
+@dataclass
+class RoundReport:
+    """What happened in one round, for logs, status and metrics."""
+
+    round_id: str
+    group_size: int
+    duration: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    codec_error: float = 0.0  # relative L2 error of this peer's coded contributions
+    excluded: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+    failed_spans: list[int] = field(default_factory=list)
+
+
+def split_spans(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) spans, as equal as ``align``-sized blocks allow (last ones may be empty)."""
+    blocks = math.ceil(numel / align) if numel else 0
+    bounds = [min(numel, (blocks * i // parts) * align) for i in range(parts + 1)]
+    bounds[-1] = numel
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+class AllReducer:
+    """Serves span reductions to other members and runs this peer's side of each round."""
+
+    def __init__(self, p2p: P2P, config: AveragingConfig) -> None:
+        self.p2p = p2p
+        self.config = config
+        self.peer_id = str(p2p.peer_id)
+        self._reducers: dict[str, SpanReducer] = {}
+        self._round_registered = asyncio.Condition()
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(HANDLER_NAME, self._handle_stream)
+
+    async def stop(self) -> None:
+        await self.p2p.remove_binary_stream_handler(HANDLER_NAME)
+
+    # --- this peer's side of a round --------------------------------------------------------------------------
+
+    async def all_reduce(
+        self, group: Group, flat: torch.Tensor, weight: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RoundReport]:
+        """Returns the weighted group average of ``flat`` and a report; never raises for peers' faults.
+
+        ``residual`` (same shape as ``flat``) enables error feedback: what quantization dropped from this
+        peer's contributions is added to its next ones. Raises GroupFailed only if this peer is not a member.
+        """
+        if self.peer_id not in group.members:
+            raise GroupFailed(f"{self.peer_id} is not a member of round {group.round_id}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be finite and positive, got {weight}")
+        if flat.dim() != 1 or flat.dtype != torch.float32 or not bool(torch.isfinite(flat).all()):
+            raise ValueError("all_reduce takes a finite, flat float32 tensor")
+        started = time.monotonic()
+        report = RoundReport(group.round_id, len(group.members))
+        rank = group.rank_of(self.peer_id)
+        spans = split_spans(flat.numel(), len(group.members), self.config.codec.block_size)
+        result = torch.empty_like(flat)
+        start, end = spans[rank]
+        own = flat[start:end]
+        if residual is not None:  # our own span enters the average exactly, so its carried error is used up
+            own = own + residual[start:end]
+            residual[start:end] = 0
+        reducer = SpanReducer(group, rank, own, weight, self.config, self.peer_id)
+        async with self._round_registered:
+            self._reducers[group.round_id] = reducer
+            self._round_registered.notify_all()
+        try:
+            sends = [
+                self._contribute(group, member, spans[i], flat, weight, residual, result, report)
+                for i, member in enumerate(group.members)
+                if i != rank
+            ]
+            deadline = self.config.round_timeout
+            own = asyncio.ensure_future(reducer.finish(deadline))
+            await asyncio.wait_for(asyncio.gather(own, *sends), deadline + 5.0)
+            await reducer.answered(self.config.join_timeout)
+            result[start:end] = reducer.averaged
+            report.excluded.update(reducer.excluded)
+            report.bytes_sent += reducer.bytes_sent
+            report.bytes_received += reducer.bytes_received
+        finally:
+            self._reducers.pop(group.round_id, None)
+            reducer.close()
+        report.duration = time.monotonic() - started
+        return result, report
+
+    async def _contribute(
+        self,
+        group: Group,
+        member: str,
+        span: tuple[int, int],
+        flat: torch.Tensor,
+        weight: float,
+        residual: torch.Tensor | None,
+        result: torch.Tensor,
+        report: RoundReport,
+    ) -> None:
+        start, end = span
+        index = group.rank_of(member)
+        source = flat[start:end]
+        if residual is not None:
+            source = source + residual[start:end]
+        try:
+            payload = await asyncio.to_thread(codec.encode, source, self.config.codec)
+            averaged = await asyncio.wait_for(
+                self._exchange(group, member, index, source.numel(), weight, payload, report),
+                self.config.round_timeout,
+            )
+        except (PeerdError, OSError, asyncio.TimeoutError, ConnectionError) as e:
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e)
+            logger.warning(
+                "Round %s: reducer %s of span %d failed: %s", group.round_id, member, index, reason
+            )
+            report.excluded.setdefault(member, reason)
+            report.failed_spans.append(index)
+            result[start:end] = flat[start:end]
+            return
+        result[start:end] = averaged
+        if residual is not None:
+            decoded = await asyncio.to_thread(codec.decode, payload, peer_id=self.peer_id)
+            error = source - decoded
+            residual[start:end] = error
+            norm = float(source.norm())
+            report.codec_error = max(report.codec_error, float(error.norm()) / norm if norm else 0.0)
+
+    async def _exchange(
+        self,
+        group: Group,
+        member: str,
+        index: int,
+        numel: int,
+        weight: float,
+        payload: bytearray,
+        report: RoundReport,
+    ) -> torch.Tensor:
+        _, reader, writer = await self.p2p.call_binary_stream_handler(
+            PeerID.from_base58(member), HANDLER_NAME
+        )
+        try:
+            request = pb.ReduceRequest(
+                protocol_version=PROTOCOL_VERSION,
+                round_id=group.round_id,
+                span_index=index,
+                span_numel=numel,
+                weight=weight,
+                payload_bytes=len(payload),
+            )
+            sent = await write_message(writer, request)
+            sent += await write_frame(writer, payload)
+            report.bytes_sent += sent  # after the awaits: contributions to several reducers run concurrently
+            response = await read_message(reader, pb.ReduceResponse, member)
+            report.bytes_received += frame_size(response.ByteSize())
+            if response.code != pb.OK:
+                raise ProtocolViolation(
+                    f"{member} refused our contribution: {pb.MessageCode.Name(response.code)} {response.message}",
+                    peer_id=member,
+                )
+            data = await read_frame(reader, max_payload_bytes(numel), member, "averaged span")
+            report.bytes_received += frame_size(len(data))
+            return await asyncio.to_thread(codec.decode, data, peer_id=member, expected_shape=(numel,))
+        finally:
+            writer.close()
+
+    # --- serving other members ------------------------------------------------------------------------------
+
+    async def _handle_stream(
+        self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        sender = str(getattr(info, "peer_id", "?"))
+        try:
+            request = await read_message(reader, pb.ReduceRequest, sender)
+            reducer = await self._wait_for_round(request.round_id)
+            if reducer is None:
+                await write_message(
+                    writer, pb.ReduceResponse(code=pb.UNKNOWN_ROUND, message="not in this round")
+                )
+                return
+            await reducer.serve(sender, request, reader, writer)
+        except ProtocolViolation as e:
+            logger.warning("Dropping averaging stream from %s: %s", sender, e)
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
+            logger.info("Averaging stream from %s broke: %s", sender, e)
+        finally:
+            writer.close()
+
+    async def _wait_for_round(self, round_id: str) -> SpanReducer | None:
+        """A sender may finish matchmaking a moment before we do; give our side time to register."""
+        async with self._round_registered:
+            try:
+                await asyncio.wait_for(
+                    self._round_registered.wait_for(lambda: round_id in self._reducers),
+                    self.config.join_timeout,
+                )
+            except asyncio.TimeoutError:
+                return None
+            return self._reducers[round_id]

@@ -1,0 +1,62 @@
+"""Length-prefixed frames on a libp2p stream (opened through hivemind's P2P), with limits checked first.
+
+hivemind's own ``P2P.receive_raw_data`` trusts the announced length; a peer could make it allocate any
+amount of memory. Here every read states the most it will accept and refuses more before reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from peerd.errors import ProtocolViolation
+
+_LENGTH_BYTES = 8
+M = TypeVar("M", bound=Message)
+
+# Protobuf headers of this protocol are tiny; anything larger is not ours.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> int:
+    writer.write(len(data).to_bytes(_LENGTH_BYTES, "little"))
+    writer.write(data)
+    await writer.drain()
+    return _LENGTH_BYTES + len(data)
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> bytes:
+    try:
+        length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "little")
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolViolation(f"{peer_id} closed the stream before sending {what}", peer_id=peer_id) from e
+    if length > limit:
+        raise ProtocolViolation(
+            f"{peer_id} announced a {length}-byte {what}, above the limit of {limit} bytes", peer_id=peer_id
+        )
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolViolation(
+            f"{peer_id} sent {len(e.partial)} of the {length} bytes of {what}", peer_id=peer_id
+        ) from e
+
+
+async def write_message(writer: asyncio.StreamWriter, message: Message) -> int:
+    return await write_frame(writer, message.SerializeToString())
+
+
+async def read_message(reader: asyncio.StreamReader, message_type: type[M], peer_id: str) -> M:
+    data = await read_frame(reader, MAX_HEADER_BYTES, peer_id, message_type.__name__)
+    try:
+        return message_type.FromString(data)
+    except DecodeError as e:
+        raise ProtocolViolation(
+            f"{peer_id} sent a malformed {message_type.__name__}: {e}", peer_id=peer_id
+        ) from e
+
+
+def frame_size(payload_bytes: int) -> int:
+    return _LENGTH_BYTES + payload_bytes
