@@ -144,6 +144,11 @@ class CodecConfig(_Section):
     error_feedback: bool = Field(
         default=True, description="Carry each round's quantization residual into the next round."
     )
+    lossless: bool = Field(
+        default=False,
+        description="Send raw values instead (used internally for parameter averaging, where 8-bit noise "
+        "would be applied to the weights themselves).",
+    )
 
 
 class AveragingConfig(_Section):
@@ -202,6 +207,49 @@ class TaskConfig(_Section):
         return self
 
 
+class CheckpointConfig(_Section):
+    directory: Path | None = Field(
+        default=None, description="Where checkpoints go; null disables them. `--resume` reads from here."
+    )
+    every_steps: int = Field(default=20, ge=1, description="Global steps between checkpoints.")
+    keep: int = Field(default=3, ge=1, description="How many of the newest checkpoints to keep.")
+
+
+class TrainingConfig(_Section):
+    """Collaborative training; only peers with ``enabled: true`` train."""
+
+    enabled: bool = Field(default=False, description="Train the task with the swarm.")
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(default="adam", description="Same on every peer.")
+    lr: float = Field(default=3e-3, gt=0, allow_inf_nan=False, description="Learning rate.")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="SGD momentum.")
+    weight_decay: float = Field(default=0.0, ge=0, description="Weight decay.")
+    target_batch_size: int = Field(
+        default=256, ge=1, description="Samples summed over the swarm's peers per global optimizer step."
+    )
+    max_steps: int | None = Field(default=None, ge=1, description="Stop training (keep serving) after this step.")
+    progress_period: float = Field(default=0.5, gt=0, description="Seconds between progress publications.")
+    progress_ttl: float = Field(default=10.0, gt=0, description="Seconds a progress record stays valid.")
+    state_averaging_every: int = Field(
+        default=10, ge=0, description="Average parameters and optimizer state every N steps (0: never)."
+    )
+    validation_every: int = Field(default=5, ge=1, description="Compute validation loss every N steps.")
+    sync_state_on_join: bool = Field(
+        default=True, description="A peer joining a swarm already past step 0 downloads its state first."
+    )
+    max_state_bytes: int = Field(default=2**31, ge=1024, description="Largest state accepted from a peer.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: bool = Field(default=False, description="Start from the newest usable checkpoint (--resume).")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        if self.resume and self.checkpoint.directory is None:
+            raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
+        if self.progress_ttl <= self.progress_period:
+            raise ValueError("training.progress_ttl must exceed training.progress_period: raise progress_ttl")
+        return self
+
+
 class PeerdConfig(BaseSettings):
     """Everything a peer needs. Each section below is handed only to the component that owns it."""
 
@@ -216,6 +264,8 @@ class PeerdConfig(BaseSettings):
     )
     shutdown_timeout: float = Field(default=8.0, gt=0, description="Seconds for a graceful shutdown.")
     swarm: SwarmConfig = Field(default_factory=SwarmConfig)
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

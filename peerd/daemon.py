@@ -1,7 +1,7 @@
 """The daemon: builds components from the config, supervises them on one uvloop loop, shuts down in reverse.
 
-Start order: swarm (p2pd + DHT) -> control endpoint -> first record -> ready line.
-Stop order: announce ``leaving`` -> control endpoint -> swarm. Each step is logged and bounded.
+Start order: swarm (p2pd + DHT) -> trainer (if enabled) -> control endpoint -> first record -> ready line.
+Stop order: announce ``leaving`` -> trainer -> control endpoint -> swarm. Each step is logged and bounded.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 import signal
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from peerd import __version__
 from peerd.config import PeerdConfig
@@ -22,6 +22,9 @@ from peerd.control.server import ControlServer
 from peerd.errors import DaemonError, PeerdError
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
+
+if TYPE_CHECKING:
+    from peerd.training.trainer import CollaborativeTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,10 @@ class Daemon:
         self.stop_event = asyncio.Event()
         self.swarm: SwarmNode | None = None
         self.control: ControlServer | None = None
+        self.trainer: CollaborativeTrainer | None = None
+        self._trainer_task: asyncio.Task[None] | None = None
+        self._trainer_stop = asyncio.Event()
+        self._p2p: Any = None
         self._announce_now = asyncio.Event()
 
     # --- lifecycle -------------------------------------------------------------------------------------------
@@ -41,9 +48,29 @@ class Daemon:
     async def start(self) -> None:
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
+        if self.config.training.enabled:
+            await self._start_trainer()
         self.control = await ControlServer.create(self.config.control, self.status)
-        self.state = PeerState.IDLE
+        self.state = PeerState.TRAINING if self.trainer is not None else PeerState.IDLE
         await self.swarm.publish(self.record())
+        if self.trainer is not None:
+            self._trainer_task = asyncio.ensure_future(self.trainer.run(self._trainer_stop))
+
+    async def _start_trainer(self) -> None:
+        from peerd.training.tasks import build_task, shard_for_peer
+        from peerd.training.trainer import CollaborativeTrainer
+
+        assert self.swarm is not None
+        task_config = self.config.training.task
+        shard = shard_for_peer(task_config, self.swarm.peer_id)
+        task = await asyncio.to_thread(build_task, task_config, shard)
+        logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
+                    task_config.num_shards)
+        self._p2p = await self.swarm.dht.replicate_p2p()
+        self.trainer = CollaborativeTrainer(
+            self.config.training, self.config.averaging, task, self.swarm, self._p2p, self.config.run_name
+        )
+        await self.trainer.start()
 
     async def run(self, ready_stream: TextIO = sys.stdout) -> None:
         """Starts, prints the ready line, supervises until a stop signal, then shuts down."""
@@ -72,6 +99,10 @@ class Daemon:
                 break
             if not self.swarm.alive():
                 raise DaemonError("the DHT child process (hivemind, p2pd) died; stopping this peer")
+            if self._trainer_task is not None and self._trainer_task.done():
+                error = self._trainer_task.exception()
+                if error is not None:
+                    raise DaemonError(f"training stopped with an error: {error!r}") from error
             try:
                 await self.swarm.publish(self.record())
             except PeerdError as e:
@@ -86,6 +117,22 @@ class Daemon:
                 logger.info("Announced leaving to the swarm")
             except (PeerdError, asyncio.TimeoutError) as e:
                 logger.warning("Could not announce leaving: %s", e)
+        if self._trainer_task is not None:
+            self._trainer_stop.set()
+            try:
+                await asyncio.wait_for(self._trainer_task, timeout / 3)
+            except asyncio.TimeoutError:
+                self._trainer_task.cancel()
+            except Exception as e:  # its error was already reported by the supervisor
+                logger.debug("Trainer ended with %r", e)
+            self._trainer_task = None
+        if self.trainer is not None:
+            await self.trainer.stop()
+            logger.info("Trainer stopped")
+            self.trainer = None
+        if self._p2p is not None:
+            await self._p2p.shutdown()
+            self._p2p = None
         if self.control is not None:
             await self.control.shutdown()
             logger.info("Control endpoint stopped")
@@ -103,6 +150,10 @@ class Daemon:
 
     def record(self) -> PeerRecord:
         assert self.swarm is not None
+        throughput = None
+        if self.trainer is not None and self.state is not PeerState.LEAVING:
+            self.state = PeerState.AVERAGING if self.trainer.report.state == "averaging" else PeerState.TRAINING
+            throughput = round(self.trainer.report.samples_per_second, 3)
         return PeerRecord(
             peer_id=self.swarm.peer_id,
             software_version=__version__,
@@ -110,7 +161,7 @@ class Daemon:
             roles=list(self.config.swarm.roles),
             state=self.state,
             maddrs=self.swarm.visible_maddrs(),
-            capabilities=Capabilities(),
+            capabilities=Capabilities(throughput=throughput),
             started_at=self.started_at,
             updated_at=max(now(), self.started_at),
         )
@@ -153,6 +204,7 @@ class Daemon:
             "pid": os.getpid(),
             "peers": peers,
             "dht_error": error,
+            "training": self.trainer.report.as_dict() if self.trainer is not None else None,
         }
 
 

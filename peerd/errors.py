@@ -15,6 +15,7 @@ them into a one-line message and a non-zero exit code) can catch them in one pla
     │   └── CodecError           a compressed tensor payload failed validation
     ├── AveragingError           an averaging round could not complete
     │   └── GroupFailed          the group fell apart or could not be formed in time
+    ├── StateError               a checkpoint or a downloaded training state is unusable (model untouched)
     ├── ControlError             the local control endpoint could not be started or reached
     └── DaemonError              the daemon or one of its child processes failed
 
@@ -82,6 +83,10 @@ class AveragingError(PeerdError):
 
 class GroupFailed(AveragingError):
     """The averaging group could not be formed or lost members mid-round."""
+
+
+class StateError(PeerdError):
+    """A checkpoint or training state that cannot be used; ``source`` names the file or peer."""
 
 
 class ControlError(PeerdError):

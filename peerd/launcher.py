@@ -173,7 +173,8 @@ class PeerProcess:
             self._log.close()
 
     def log_tail(self, lines: int = 25) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(f"  [{self.name}] {line}" for line in text[-lines:])
 

@@ -25,7 +25,7 @@ from hivemind.p2p import P2P, PeerID
 from peerd.averaging import codec
 from peerd.averaging.reducer import SpanReducer, max_payload_bytes
 from peerd.averaging.wire import frame_size, read_frame, read_message, write_frame, write_message
-from peerd.config import AveragingConfig
+from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
@@ -87,13 +87,20 @@ class AllReducer:
     # --- this peer's side of a round --------------------------------------------------------------------------
 
     async def all_reduce(
-        self, group: Group, flat: torch.Tensor, weight: float, residual: torch.Tensor | None = None
+        self,
+        group: Group,
+        flat: torch.Tensor,
+        weight: float,
+        residual: torch.Tensor | None = None,
+        codec_config: CodecConfig | None = None,
     ) -> tuple[torch.Tensor, RoundReport]:
         """Returns the weighted group average of ``flat`` and a report; never raises for peers' faults.
 
         ``residual`` (same shape as ``flat``) enables error feedback: what quantization dropped from this
-        peer's contributions is added to its next ones. Raises GroupFailed only if this peer is not a member.
+        peer's contributions is added to its next ones. ``codec_config`` overrides ``averaging.codec`` for
+        this round (e.g. lossless for parameters). Raises GroupFailed only if this peer is not a member.
         """
+        codec_config = codec_config or self.config.codec
         if self.peer_id not in group.members:
             raise GroupFailed(f"{self.peer_id} is not a member of round {group.round_id}")
         if not (math.isfinite(weight) and weight > 0):
@@ -103,20 +110,20 @@ class AllReducer:
         started = time.monotonic()
         report = RoundReport(group.round_id, len(group.members))
         rank = group.rank_of(self.peer_id)
-        spans = split_spans(flat.numel(), len(group.members), self.config.codec.block_size)
+        spans = split_spans(flat.numel(), len(group.members), codec_config.block_size)
         result = torch.empty_like(flat)
         start, end = spans[rank]
         own = flat[start:end]
         if residual is not None:  # our own span enters the average exactly, so its carried error is used up
             own = own + residual[start:end]
             residual[start:end] = 0
-        reducer = SpanReducer(group, rank, own, weight, self.config, self.peer_id)
+        reducer = SpanReducer(group, rank, own, weight, self.config, codec_config, self.peer_id)
         async with self._round_registered:
             self._reducers[group.round_id] = reducer
             self._round_registered.notify_all()
         try:
             sends = [
-                self._contribute(group, member, spans[i], flat, weight, residual, result, report)
+                self._contribute(group, member, spans[i], flat, weight, residual, result, report, codec_config)
                 for i, member in enumerate(group.members)
                 if i != rank
             ]
@@ -144,6 +151,7 @@ class AllReducer:
         residual: torch.Tensor | None,
         result: torch.Tensor,
         report: RoundReport,
+        codec_config: CodecConfig,
     ) -> None:
         start, end = span
         index = group.rank_of(member)
@@ -151,7 +159,7 @@ class AllReducer:
         if residual is not None:
             source = source + residual[start:end]
         try:
-            payload = await asyncio.to_thread(codec.encode, source, self.config.codec)
+            payload = await asyncio.to_thread(codec.encode, source, codec_config)
             averaged = await asyncio.wait_for(
                 self._exchange(group, member, index, source.numel(), weight, payload, report),
                 self.config.round_timeout,

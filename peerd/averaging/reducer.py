@@ -11,7 +11,7 @@ import torch
 
 from peerd.averaging import codec
 from peerd.averaging.wire import frame_size, read_frame, write_frame, write_message
-from peerd.config import AveragingConfig
+from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError
 from peerd.proto import peerd_averaging_pb2 as pb
 
@@ -30,8 +30,16 @@ def max_payload_bytes(numel: int) -> int:
 
 class SpanReducer:
     def __init__(
-        self, group: Group, rank: int, own: torch.Tensor, weight: float, config: AveragingConfig, peer_id: str
+        self,
+        group: Group,
+        rank: int,
+        own: torch.Tensor,
+        weight: float,
+        config: AveragingConfig,
+        codec_config: CodecConfig,
+        peer_id: str,
     ) -> None:
+        self.codec_config = codec_config
         self.group = group
         self.rank = rank
         self.numel = own.numel()
@@ -79,7 +87,7 @@ class SpanReducer:
             if self._answered >= self.used:
                 self._all_answered.set()
             average = self.sum.div_(self.total_weight)
-            self.payload = await asyncio.to_thread(codec.encode, average, self.config.codec)
+            self.payload = await asyncio.to_thread(codec.encode, average, self.codec_config)
             # Use the coded average ourselves too, so every member applies bit-identical values.
             self.averaged = await asyncio.to_thread(codec.decode, self.payload, peer_id=self.peer_id)
         self._done.set()

@@ -149,33 +149,44 @@ class SwarmNode:
         await self._store(record, max(self._last_expiration, get_dht_time()) + 1e-3)
 
     async def _store(self, record: PeerRecord, expiration: float) -> None:
-        future = self.dht.store(
-            self.records_key, record.to_wire(), expiration, subkey=self.peer_id, return_future=True
-        )
-        try:
-            ok = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
-        except (asyncio.TimeoutError, TimeoutError) as e:
-            raise TransportError(f"storing our peer record timed out after {self.config.request_timeout}s") from e
+        await self.store(self.records_key, self.peer_id, record.to_wire(), expiration)
         self._last_expiration = expiration
-        if not ok:
-            logger.debug("DHT store of our record was not accepted by any node (alone in the swarm?)")
 
-    async def read_peers(self) -> list[SeenPeer]:
-        """All valid, unexpired records of this run, ours included, sorted by peer id."""
-        future = self.dht.get(self.records_key, latest=True, return_future=True)
+    async def store(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
+        """Stores ``value`` under ``key``/``subkey`` until ``expiration`` (DHT time); bounded by request_timeout."""
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        try:
+            ok = bool(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            raise TransportError(f"storing {key} timed out after {self.config.request_timeout}s") from e
+        if not ok:
+            logger.debug("DHT store of %s was not accepted by any node (alone in the swarm?)", key)
+        return ok
+
+    async def read_entries(self, key: str) -> dict[str, tuple[object, float]]:
+        """Unexpired ``subkey -> (value, expiration)`` under ``key``; values are unvalidated peer data."""
+        future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
         except (asyncio.TimeoutError, TimeoutError) as e:
-            raise TransportError(f"reading peer records timed out after {self.config.request_timeout}s") from e
+            raise TransportError(f"reading {key} timed out after {self.config.request_timeout}s") from e
         if found is None or not isinstance(found.value, dict):
-            return []
-        now = get_dht_time()
-        peers = []
+            return {}
+        current = get_dht_time()
+        entries = {}
         for subkey, entry in found.value.items():
-            value = getattr(entry, "value", None)
             expiration = getattr(entry, "expiration_time", 0.0)
-            if expiration < now:
-                continue
+            if isinstance(subkey, str) and isinstance(expiration, float) and expiration >= current:
+                entries[subkey] = (getattr(entry, "value", None), expiration)
+        return entries
+
+    async def read_subkeys(self, key: str) -> dict[str, object]:
+        return {subkey: value for subkey, (value, _) in (await self.read_entries(key)).items()}
+
+    async def read_peers(self) -> list[SeenPeer]:
+        """All valid, unexpired records of this run, ours included, sorted by peer id."""
+        peers = []
+        for subkey, (value, expiration) in (await self.read_entries(self.records_key)).items():
             try:
                 peers.append(SeenPeer(parse_record(subkey, value), expiration))
             except ProtocolViolation as e:

@@ -1,0 +1,120 @@
+"""Group formation through the DHT: ready peers register for a round; the earliest one fixes the groups.
+
+For round key ``K`` (run, model fingerprint, step, kind), each ready peer stores ``{t: its DHT time}`` under
+``K`` with its peer id as subkey. The peer with the earliest registration (ties: smallest id) is the
+leader: once the window after its own registration has passed, or as many peers as expected are in, it
+splits the registered peers, in registration order, into groups of at most ``target_group_size`` and
+stores them under the subkey ``groups``. Everyone else waits (bounded) for that record, so every member
+acts on the same list. A peer left in no group, or in one below ``min_group_size``, raises GroupFailed.
+Everything read from the DHT is validated; entries that fail are ignored and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from peerd.averaging.allreduce import Group
+from peerd.config import AveragingConfig
+from peerd.errors import GroupFailed, PeerdError
+from peerd.swarm.node import SwarmNode, now
+from peerd.swarm.records import PeerIdStr
+
+logger = logging.getLogger(__name__)
+
+GROUPS_SUBKEY = "groups"
+POLL_INTERVAL = 0.1
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
+
+
+class _Registration(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    t: float = Field(ge=0, allow_inf_nan=False)
+
+
+class _Groups(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    leader: PeerIdStr
+    groups: list[Annotated[list[PeerIdStr], Field(min_length=1, max_length=64)]] = Field(max_length=1024)
+
+
+def group_id(key: str, members: tuple[str, ...]) -> str:
+    digest = hashlib.sha256("\n".join(members).encode()).hexdigest()[:12]
+    return f"{key}/{digest}"
+
+
+class Matchmaker:
+    def __init__(self, swarm: SwarmNode, config: AveragingConfig) -> None:
+        self.swarm = swarm
+        self.config = config
+
+    async def form_group(self, key: str, expected_peers: int) -> Group:
+        """Registers for round ``key`` and returns this peer's group; ``expected_peers`` lets the leader
+        close early once that many peers (this one included) have registered."""
+        me = self.swarm.peer_id
+        window = self.config.matchmaking_window
+        registered_at = now()
+        lifetime = window + self.config.round_timeout + 10.0
+        await self.swarm.store(key, me, {"t": registered_at}, registered_at + lifetime)
+        target = max(2, min(expected_peers, self.config.target_group_size * 64))
+        deadline = time.monotonic() + window + self.config.join_timeout + 2.0
+        published: _Groups | None = None
+        while published is None:
+            entries, published = await self._read(key)
+            if published is not None:
+                break
+            if not entries:
+                entries = {me: registered_at}
+            leader = min(entries, key=lambda peer: (entries[peer], peer))
+            first = entries[leader]
+            window_over = now() >= first + window
+            if leader == me and (window_over or len(entries) >= target):
+                published = self._split(me, entries, first + window)
+                await self.swarm.store(key, GROUPS_SUBKEY, published.model_dump(), registered_at + lifetime)
+                break
+            if time.monotonic() > deadline:
+                raise GroupFailed(f"no group decision for {key} within {deadline - registered_at:.1f}s "
+                                  f"(leader {leader} did not publish one)")
+            await asyncio.sleep(POLL_INTERVAL)  # polling the DHT, which has no change notifications
+        for members in published.groups:
+            if me in members:
+                if len(members) < self.config.min_group_size:
+                    raise GroupFailed(f"group for {key} has {len(members)} member(s), below min_group_size")
+                ordered = tuple(members)
+                return Group(group_id(key, ordered), ordered)
+        raise GroupFailed(f"{key}: registered too late, the leader's groups do not include this peer")
+
+    def _split(self, me: str, entries: dict[str, float], close: float) -> _Groups:
+        on_time = sorted((t, peer) for peer, t in entries.items() if t <= close or peer == me)
+        peers = [peer for _, peer in on_time]
+        size = self.config.target_group_size
+        chunks = [peers[i : i + size] for i in range(0, len(peers), size)]
+        # A last group too small to average is merged into the previous one rather than left alone.
+        if len(chunks) > 1 and len(chunks[-1]) < self.config.min_group_size:
+            chunks[-2].extend(chunks.pop())
+        return _Groups(leader=me, groups=chunks)
+
+    async def _read(self, key: str) -> tuple[dict[str, float], _Groups | None]:
+        try:
+            found = await self.swarm.read_subkeys(key)
+        except PeerdError as e:
+            logger.debug("Matchmaking read of %s failed: %s", key, e)
+            return {}, None
+        entries: dict[str, float] = {}
+        published = None
+        for subkey, value in found.items():
+            try:
+                if subkey == GROUPS_SUBKEY:
+                    published = _Groups.model_validate(value)
+                elif _PEER_ID.fullmatch(subkey):
+                    entries[subkey] = _Registration.model_validate(value).t
+            except ValidationError as e:
+                logger.warning("Ignoring malformed matchmaking entry %r under %s: %s", subkey, key,
+                               e.errors()[0]["msg"])
+        return entries, published

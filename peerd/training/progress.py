@@ -1,0 +1,110 @@
+"""Training progress in the DHT: each trainer publishes its step and samples; all read the swarm's view.
+
+Records live under ``<run_name>.progress`` (subkey = peer id), expire after ``progress_ttl``, and carry the
+model fingerprint, so a peer with another model or config in the same run is seen, named and refused
+rather than failing later with a shape error inside an all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from peerd.errors import PeerdError
+from peerd.swarm.node import SwarmNode, now
+from peerd.swarm.records import PeerIdStr
+
+logger = logging.getLogger(__name__)
+
+
+class ProgressRecord(BaseModel):
+    """``peerd.v1.Progress``: one trainer's position in training."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    peer_id: PeerIdStr
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{8,64}$", description="Hash of task, options, seed, model.")
+    step: int = Field(ge=0, description="Optimizer steps this peer has applied (the global step it is at).")
+    samples: int = Field(ge=0, description="Samples accumulated towards the next step.")
+    samples_per_second: float = Field(ge=0, allow_inf_nan=False, description="Recent local throughput.")
+    time: float = Field(ge=0, allow_inf_nan=False, description="DHT time of publication.")
+
+
+@dataclass
+class SwarmProgress:
+    """The swarm as one trainer sees it; only peers with our fingerprint count towards the batch."""
+
+    peers: dict[str, ProgressRecord] = field(default_factory=dict)
+    foreign: dict[str, str] = field(default_factory=dict)  # peer id -> its (different) fingerprint
+
+    @property
+    def max_step(self) -> int:
+        return max((p.step for p in self.peers.values()), default=0)
+
+    def samples_at(self, step: int) -> int:
+        return sum(p.samples for p in self.peers.values() if p.step == step)
+
+    def peers_at(self, step: int) -> int:
+        return sum(1 for p in self.peers.values() if p.step == step)
+
+    @property
+    def samples_per_second(self) -> float:
+        return sum(p.samples_per_second for p in self.peers.values())
+
+
+class ProgressTracker:
+    def __init__(self, swarm: SwarmNode, run_name: str, fingerprint: str, ttl: float) -> None:
+        self.swarm = swarm
+        self.key = f"{run_name}.progress"
+        self.fingerprint = fingerprint
+        self.ttl = ttl
+        self.view = SwarmProgress()
+        self._warned: dict[str, float] = {}
+
+    async def publish(self, step: int, samples: int, samples_per_second: float) -> None:
+        record = ProgressRecord(
+            peer_id=self.swarm.peer_id, fingerprint=self.fingerprint, step=step, samples=samples,
+            samples_per_second=round(max(0.0, samples_per_second), 3), time=now(),
+        )
+        try:
+            await self.swarm.store(self.key, self.swarm.peer_id, record.model_dump(), record.time + self.ttl)
+        except PeerdError as e:
+            logger.warning("Could not publish training progress: %s", e)
+
+    async def refresh(self) -> SwarmProgress:
+        try:
+            entries = await self.swarm.read_subkeys(self.key)
+        except PeerdError as e:
+            logger.debug("Progress read failed: %s", e)
+            return self.view
+        view = SwarmProgress()
+        for subkey, value in entries.items():
+            try:
+                record = ProgressRecord.model_validate(value)
+            except ValidationError as e:
+                self._warn(subkey, f"malformed progress record from {subkey!r}: {e.errors()[0]['msg']}")
+                continue
+            if record.peer_id != subkey:
+                self._warn(subkey, f"progress record for {record.peer_id} stored under {subkey!r}")
+            elif record.fingerprint != self.fingerprint:
+                view.foreign[subkey] = record.fingerprint
+                self._warn(
+                    subkey,
+                    f"peer {subkey} trains a different model/config (fingerprint {record.fingerprint}, ours "
+                    f"{self.fingerprint}); refusing to average with it. Give both peers the same "
+                    "training.task settings, or a different run_name",
+                    level=logging.ERROR,
+                )
+            else:
+                view.peers[subkey] = record
+        self.view = view
+        return view
+
+    def _warn(self, peer: str, message: str, level: int = logging.WARNING) -> None:
+        last = self._warned.get(peer, -1e9)
+        if time.monotonic() - last > 60:
+            self._warned[peer] = time.monotonic()
+            logger.log(level, "%s", message)

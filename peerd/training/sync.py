@@ -1,0 +1,85 @@
+"""State transfer for late joiners: every trainer serves its current state; a joiner downloads and validates it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
+from peerd.errors import PeerdError, ProtocolViolation, StateError
+from peerd.proto import peerd_training_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+HANDLER_NAME = "peerd.v1.training.state"
+
+# Returns (step, state bytes), or None while there is nothing to serve.
+StateProvider = Callable[[], Awaitable[tuple[int, bytes] | None]]
+
+
+class StateServer:
+    def __init__(self, p2p: P2P, fingerprint: str, provider: StateProvider) -> None:
+        self.p2p = p2p
+        self.fingerprint = fingerprint
+        self.provider = provider
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(HANDLER_NAME, self._handle)
+
+    async def stop(self) -> None:
+        await self.p2p.remove_binary_stream_handler(HANDLER_NAME)
+
+    async def _handle(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(getattr(info, "peer_id", "?"))
+        try:
+            request = await read_message(reader, pb.StateRequest, peer)
+            if request.fingerprint != self.fingerprint:
+                await write_message(writer, pb.StateResponse(
+                    code=pb.STATE_FINGERPRINT_MISMATCH,
+                    message=f"this peer trains fingerprint {self.fingerprint}, not {request.fingerprint}",
+                ))
+                return
+            state = await self.provider()
+            if state is None:
+                await write_message(writer, pb.StateResponse(code=pb.STATE_UNAVAILABLE, message="not training"))
+                return
+            step, blob = state
+            await write_message(writer, pb.StateResponse(code=pb.STATE_OK, step=step, payload_bytes=len(blob)))
+            await write_frame(writer, blob)
+            logger.info("Sent training state at step %d (%d bytes) to %s", step, len(blob), peer)
+        except (ProtocolViolation, ConnectionError, OSError) as e:
+            logger.info("State request from %s failed: %s", peer, e)
+        finally:
+            writer.close()
+
+
+async def download_state(p2p: P2P, peer_id: str, fingerprint: str, max_bytes: int, timeout: float) -> tuple[int, bytes]:
+    """Fetches (step, state bytes) from ``peer_id``; raises StateError naming the peer on any failure."""
+
+    async def fetch() -> tuple[int, bytes]:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), HANDLER_NAME)
+        try:
+            await write_message(writer, pb.StateRequest(protocol_version=1, fingerprint=fingerprint))
+            response = await read_message(reader, pb.StateResponse, peer_id)
+            if response.code != pb.STATE_OK:
+                raise StateError(f"{peer_id} has no state for us: {pb.StateCode.Name(response.code)} "
+                                 f"{response.message}", source=peer_id)
+            if response.payload_bytes > max_bytes:
+                raise StateError(f"{peer_id} offers {response.payload_bytes} bytes of state, above "
+                                 f"training.max_state_bytes ({max_bytes})", source=peer_id)
+            blob = await read_frame(reader, response.payload_bytes, peer_id, "training state")
+            return int(response.step), blob
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.wait_for(fetch(), timeout)
+    except asyncio.TimeoutError as e:
+        raise StateError(f"downloading state from {peer_id} timed out after {timeout:.0f}s", source=peer_id) from e
+    except StateError:
+        raise
+    except (PeerdError, ConnectionError, OSError, ValueError) as e:
+        raise StateError(f"downloading state from {peer_id} failed: {e}", source=peer_id) from e

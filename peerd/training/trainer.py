@@ -1,0 +1,260 @@
+"""The collaborative trainer: accumulate -> publish progress -> group -> all-reduce -> identical step.
+
+Runs on the daemon's event loop; every torch computation (forward/backward, codec work, optimizer step)
+goes to a worker thread so the control endpoint answers while a step runs. One optimizer step happens
+per global step, when the swarm has accumulated ``target_batch_size`` samples; the gradient applied is the
+sample-weighted mean over the group, so every member applies the same update. Parameters and optimizer
+state are averaged losslessly every ``state_averaging_every`` steps so peers that missed a round converge
+back. A peer that finds the swarm ahead of it downloads the current state instead of training on stale
+parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from hivemind.p2p import P2P
+
+from peerd.averaging.allreduce import AllReducer
+from peerd.averaging.matchmaking import Matchmaker
+from peerd.config import AveragingConfig, TrainingConfig
+from peerd.errors import GroupFailed, StateError
+from peerd.swarm.node import SwarmNode
+from peerd.training.checkpoint import Checkpointer
+from peerd.training.progress import ProgressTracker
+from peerd.training.report import TrainingReport
+from peerd.training.state import pack_state, unpack_state
+from peerd.training.sync import StateServer, download_state
+from peerd.training.tasks import Batch, Task
+
+logger = logging.getLogger(__name__)
+
+
+def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+
+
+class CollaborativeTrainer:
+    def __init__(
+        self, config: TrainingConfig, averaging: AveragingConfig, task: Task, swarm: SwarmNode, p2p: P2P,
+        run_name: str,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.swarm = swarm
+        self.p2p = p2p
+        self.model = task.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(config, self.model)
+        self.numel = sum(p.numel() for p in self.params)
+        self.prefix = f"{run_name}.{task.fingerprint}"
+        self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl)
+        self.matchmaker = Matchmaker(swarm, averaging)
+        self.reducer = AllReducer(p2p, averaging)
+        self.lossless = averaging.codec.model_copy(update={"lossless": True, "error_feedback": False})
+        self.state_server = StateServer(p2p, task.fingerprint, self._serve_state)
+        self.residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
+        directory = config.checkpoint.directory
+        self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
+        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.numel)
+        self.step = 0
+        self.samples = 0
+        self._step_lock = asyncio.Lock()
+        self._batches: Iterator[Batch] = task.train_batches()
+
+    async def start(self) -> None:
+        if self.config.resume and self.checkpointer is not None:
+            step = await asyncio.to_thread(self.checkpointer.resume, self.model, self.optimizer, self.task.fingerprint)
+            self.step = step or 0
+        for server in (self.reducer, self.state_server):
+            await server.start()
+        await self._publish()
+        await self.progress.refresh()
+        if self.config.sync_state_on_join and self.progress.view.max_step > self.step:
+            await self._sync_from_swarm()
+        self.report.step = self.step
+
+    async def stop(self) -> None:
+        for server in (self.state_server, self.reducer):
+            try:
+                await server.stop()
+            except Exception as e:  # p2pd may already be gone at shutdown; nothing left to unregister then
+                logger.debug("Could not unregister a handler: %s", e)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        publisher = asyncio.ensure_future(self._publish_periodically(stop))
+        try:
+            while not stop.is_set():
+                if self.config.max_steps is not None and self.step >= self.config.max_steps:
+                    self.report.state = "idle"
+                    await stop.wait()
+                    break
+                self.report.state = "training"
+                await self._micro_step()
+                view = self.progress.view
+                if view.max_step > self.step and self.config.sync_state_on_join:
+                    await self._sync_from_swarm()
+                    continue
+                others = sum(p.samples for peer, p in view.peers.items()
+                             if p.step == self.step and peer != self.swarm.peer_id)
+                if others + self.samples >= self.config.target_batch_size:
+                    await self._global_step(expected=max(1, len(view.peers)))
+        finally:
+            publisher.cancel()
+
+    async def _micro_step(self) -> None:
+        started = time.monotonic()
+        batch = next(self._batches)
+        loss, samples = await asyncio.to_thread(self._forward_backward, batch)
+        self.samples += samples
+        self.report.record_loss(loss, samples, time.monotonic() - started)
+
+    def _forward_backward(self, batch: Batch) -> tuple[float, int]:
+        samples = self.task.samples_in(batch)
+        loss = self.task.loss(self.model, batch)
+        # Gradients accumulate as sums over samples; _global_step divides by the sample count.
+        (loss * samples).backward()
+        return float(loss.detach()), samples
+
+    async def _global_step(self, expected: int) -> None:
+        """``expected``: trainers currently active with our fingerprint, this one included. While others are
+        active we always try to average with them (the leader waits for them up to the matchmaking window)
+        rather than step alone; a solo step happens only when no one else is training or no group formed."""
+        self.report.state = "averaging"
+        await self._publish()  # others see at once that the batch is complete and join the round
+        weight = float(self.samples)
+        local = await asyncio.to_thread(self._flat_mean_grad, weight)
+        if not bool(torch.isfinite(local).all()):
+            logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
+                         "(lower training.lr?)", self.step)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.samples = 0
+            return
+        key = f"{self.prefix}.grad.{self.step}"
+        try:
+            if expected < 2:
+                raise GroupFailed("no other peer is at this step")
+            group = await self.matchmaker.form_group(key, expected)
+            averaged, round_report = await self.reducer.all_reduce(group, local, weight, self.residual)
+            self.report.record_round(round_report)
+        except GroupFailed as e:
+            logger.info("Step %d without averaging: %s", self.step, e)
+            averaged = local
+            self.report.rounds_solo += 1
+        async with self._step_lock:
+            await asyncio.to_thread(self._apply, averaged)
+            self.step += 1
+            self.samples = 0
+        self.report.step = self.step
+        await self._publish()
+        if self.config.state_averaging_every and self.step % self.config.state_averaging_every == 0:
+            await self._average_state()
+        if self.step % self.config.validation_every == 0:
+            self.report.validation_loss = await asyncio.to_thread(self.task.validation_loss, self.model)
+            logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
+        if self.checkpointer is not None and self.step % self.config.checkpoint.every_steps == 0:
+            blob = await self._pack()
+            path = await asyncio.to_thread(self.checkpointer.save, blob, self.step)
+            logger.info("Checkpoint %s", path)
+
+    def _flat_mean_grad(self, samples: float) -> torch.Tensor:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.reshape(-1) for g in grads]).div_(samples)
+
+    def _apply(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- state: averaging, serving, syncing -------------------------------------------------------------------
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.data for p in self.params]
+        for p in self.params:
+            slot = self.optimizer.state.get(p, {})
+            tensors += [slot[k] for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if k in slot]
+        return tensors
+
+    async def _average_state(self) -> None:
+        key = f"{self.prefix}.state.{self.step}"
+        expected = len(self.progress.view.peers)
+        if expected < 2:
+            return
+        try:
+            group = await self.matchmaker.form_group(key, expected)
+            async with self._step_lock:
+                tensors = self._state_tensors()
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                averaged, _ = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
+                offset = 0
+                for t in tensors:
+                    t.copy_(averaged[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        except GroupFailed as e:
+            logger.info("State averaging at step %d skipped: %s", self.step, e)
+
+    async def _pack(self) -> bytes:
+        async with self._step_lock:
+            return await asyncio.to_thread(pack_state, self.model, self.optimizer, self.step, self.task.fingerprint)
+
+    async def _serve_state(self) -> tuple[int, bytes] | None:
+        return self.step, await self._pack()
+
+    async def _sync_from_swarm(self) -> None:
+        view = self.progress.view
+        candidates = sorted(
+            (p for peer, p in view.peers.items() if peer != self.swarm.peer_id and p.step > self.step),
+            key=lambda p: -p.step,
+        )
+        for record in candidates:
+            try:
+                step, blob = await download_state(
+                    self.p2p, record.peer_id, self.task.fingerprint, self.config.max_state_bytes, timeout=60.0
+                )
+                async with self._step_lock:
+                    await asyncio.to_thread(
+                        unpack_state, blob, self.model, self.optimizer, self.task.fingerprint, record.peer_id
+                    )
+                    self.step, self.samples = step, 0
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.residual is not None:
+                        self.residual.zero_()
+                self.report.step = self.step
+                self.report.state_syncs += 1
+                logger.info("Loaded training state at step %d from %s", step, record.peer_id)
+                await self._publish()
+                return
+            except StateError as e:
+                logger.warning("State sync failed: %s", e)
+        logger.warning("Could not load state from any peer ahead of us; training on from step %d", self.step)
+
+    # --- progress ---------------------------------------------------------------------------------------------
+
+    async def _publish(self) -> None:
+        await self.progress.publish(self.step, self.samples, self.report.samples_per_second)
+        self.report.swarm_samples_per_second = self.progress.view.samples_per_second
+
+    async def _publish_periodically(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._publish()
+            await self.progress.refresh()
+            self.report.peers_training = len(self.progress.view.peers)
+            self.report.foreign_peers = dict(self.progress.view.foreign)
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.progress_period)
+            except asyncio.TimeoutError:
+                pass
