@@ -129,7 +129,7 @@ class AllReducer:
             ]
             deadline = self.config.round_timeout
             own = asyncio.ensure_future(reducer.finish(deadline))
-            await asyncio.wait_for(asyncio.gather(own, *sends), deadline + 5.0)
+            await asyncio.wait_for(asyncio.gather(own, *sends), deadline + self.config.join_timeout + 5.0)
             await reducer.answered(self.config.join_timeout)
             result[start:end] = reducer.averaged
             report.excluded.update(reducer.excluded)
@@ -162,7 +162,8 @@ class AllReducer:
             payload = await asyncio.to_thread(codec.encode, source, codec_config)
             averaged = await asyncio.wait_for(
                 self._exchange(group, member, index, source.numel(), weight, payload, report),
-                self.config.round_timeout,
+                # the reducer itself may wait round_timeout for a slow member before it answers anyone
+                self.config.round_timeout + self.config.join_timeout,
             )
         except (PeerdError, OSError, asyncio.TimeoutError, ConnectionError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e)

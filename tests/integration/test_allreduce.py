@@ -1,0 +1,183 @@
+"""The all-reduce over real p2pd instances (one process, several P2P daemons): results, faults, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from peerd.averaging import codec
+from peerd.averaging.allreduce import HANDLER_NAME, AllReducer, Group, split_spans
+from peerd.averaging.wire import read_message, write_frame, write_message
+from peerd.config import AveragingConfig, CodecConfig
+from peerd.proto import peerd_averaging_pb2 as pb
+
+pytestmark = pytest.mark.integration
+
+CONFIG = AveragingConfig(round_timeout=4.0, join_timeout=2.0, codec=CodecConfig(min_compress_numel=0))
+
+
+async def with_peers(n: int, body: Callable[[list[P2P], list[AllReducer]], Awaitable[Any]]) -> Any:
+    p2ps: list[P2P] = []
+    try:
+        p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        maddrs = [str(m) for m in await p2ps[0].get_visible_maddrs()]
+        for _ in range(n - 1):
+            p2ps.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+        reducers = [AllReducer(p, CONFIG) for p in p2ps]
+        for reducer in reducers:
+            await reducer.start()
+        return await body(p2ps, reducers)
+    finally:
+        for p2p in p2ps:
+            await p2p.shutdown()
+
+
+def weighted_mean(xs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
+    return sum(w * x for w, x in zip(ws, xs)) / sum(ws)  # type: ignore[return-value]
+
+
+def test_split_spans_cover_and_align() -> None:
+    spans = split_spans(1000, 3, 64)
+    assert spans[0][0] == 0 and spans[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(start % 64 == 0 for start, _ in spans)
+    tiny = split_spans(10, 4, 64)  # fewer blocks than members: one span holds everything, others are empty
+    assert [end - start for start, end in tiny if end > start] == [10]
+
+
+@pytest.mark.timeout(90)
+def test_three_members_get_identical_weighted_mean_and_about_one_byte_per_element() -> None:
+    numel = 300_000
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        xs = [torch.randn(numel) for _ in reducers]
+        ws = [1.0, 2.0, 5.0]
+        outs = await asyncio.gather(
+            *[r.all_reduce(Group("t1", members), x, w) for r, x, w in zip(reducers, xs, ws)]
+        )
+        expected = weighted_mean(xs, ws)
+        for result, report in outs:
+            assert torch.equal(result, outs[0][0])  # bit-identical on every member
+            assert float((result - expected).norm() / expected.norm()) < 0.02
+            assert report.excluded == {} and report.failed_spans == []
+            # each member sends 2 of 3 spans as contributions and 2 averaged spans back: 4/3 of the tensor
+            per_element = report.bytes_sent / (numel * 4 / 3)
+            assert 1.0 < per_element < 1.1, per_element
+
+    asyncio.run(with_peers(3, body))
+
+
+@pytest.mark.timeout(90)
+def test_error_feedback_residual_carries_quantization_error() -> None:
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        x = [torch.randn(50_000), torch.randn(50_000)]
+        residuals = [torch.zeros(50_000), torch.zeros(50_000)]
+        totals = [torch.zeros(50_000), torch.zeros(50_000)]
+        rounds = 20
+        for i in range(rounds):
+            outs = await asyncio.gather(*[
+                r.all_reduce(Group(f"ef{i}", members), xi, 1.0, res) for r, xi, res in zip(reducers, x, residuals)
+            ])
+            for total, (out, _) in zip(totals, outs):
+                total += out
+        expected = (x[0] + x[1]) / 2
+        one_round_error = float((outs[0][0] - expected).norm() / expected.norm())
+        accumulated_error = float((totals[0] / rounds - expected).norm() / expected.norm())
+        assert accumulated_error < one_round_error / 2, (accumulated_error, one_round_error)
+
+    asyncio.run(with_peers(2, body))
+
+
+@pytest.mark.timeout(90)
+def test_a_member_that_never_shows_up_is_excluded_within_the_timeout() -> None:
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        absent = members[1]
+        present = [r for r in reducers if r.peer_id != absent]
+        xs = [torch.ones(10_000) * (i + 1) for i in range(len(present))]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        outs = await asyncio.gather(*[r.all_reduce(Group("t3", members), x, 1.0) for r, x in zip(present, xs)])
+        assert loop.time() - started < CONFIG.round_timeout + 6
+        for result, report in outs:
+            assert absent in report.excluded
+            assert torch.isfinite(result).all()
+        # spans reduced by the two present members hold the mean of the two; the absent reducer's span
+        # keeps each member's own values
+        spans = split_spans(10_000, 3, CONFIG.codec.block_size)
+        for result, _ in outs:
+            for i, (start, end) in enumerate(spans):
+                if members[i] != absent and end > start:
+                    assert torch.allclose(result[start:end], torch.full((end - start,), 1.5), atol=0.02)
+
+    asyncio.run(with_peers(3, body))
+
+
+def nan_payload(numel: int) -> bytes:
+    good = bytearray(codec.encode(torch.ones(numel), CONFIG.codec))
+    head = codec.HEADER.size + 8  # 1-D: one shape entry
+    struct.pack_into("<H", good, head, 0x7FC0)  # first bf16 scale := NaN
+    return bytes(good)
+
+
+@pytest.mark.parametrize("fault", ["nan", "wrong_shape", "oversized", "bad_weight"])
+@pytest.mark.timeout(90)
+def test_bad_contributions_are_excluded_and_named(fault: str) -> None:
+    numel = 20_000
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        evil_p2p = p2ps[-1]
+        evil_id = str(evil_p2p.peer_id)
+        honest = [r for r in reducers if r.peer_id != evil_id]
+        spans = split_spans(numel, 3, CONFIG.codec.block_size)
+
+        async def attack(target: str) -> int:
+            index = members.index(target)
+            span_numel = spans[index][1] - spans[index][0]
+            payload = codec.encode(torch.ones(span_numel), CONFIG.codec)
+            weight, announced = 1.0, span_numel
+            if fault == "nan":
+                payload = nan_payload(span_numel)
+            elif fault == "wrong_shape":
+                payload = codec.encode(torch.ones(span_numel + 64), CONFIG.codec)
+                announced = span_numel
+            elif fault == "oversized":
+                payload = bytes(10 * span_numel)
+            elif fault == "bad_weight":
+                weight = math.nan
+            _, reader, writer = await evil_p2p.call_binary_stream_handler(PeerID.from_base58(target), HANDLER_NAME)
+            try:
+                await write_message(writer, pb.ReduceRequest(
+                    protocol_version=1, round_id="t4", span_index=index, span_numel=announced, weight=weight,
+                    payload_bytes=len(payload)))
+                await write_frame(writer, payload)
+                response = await read_message(reader, pb.ReduceResponse, target)
+                return response.code
+            finally:
+                writer.close()
+
+        xs = [torch.full((numel,), 2.0), torch.full((numel,), 4.0)]
+        results = await asyncio.gather(
+            *[r.all_reduce(Group("t4", members), x, 1.0) for r, x in zip(honest, xs)],
+            *[attack(r.peer_id) for r in honest],
+        )
+        codes = results[2:]
+        assert all(code in (pb.BAD_PAYLOAD, pb.BAD_REQUEST) for code in codes), codes
+        for result, report in results[:2]:
+            assert evil_id in report.excluded
+            assert torch.isfinite(result).all()
+            for i, (start, end) in enumerate(spans):
+                if members[i] != evil_id:
+                    assert torch.allclose(result[start:end], torch.full((end - start,), 3.0), atol=0.03)
+
+    asyncio.run(with_peers(3, body))
