@@ -228,6 +228,9 @@ class TrainingConfig(_Section):
         default=256, ge=1, description="Samples summed over the swarm's peers per global optimizer step."
     )
     max_steps: int | None = Field(default=None, ge=1, description="Stop training (keep serving) after this step.")
+    wait_for_peers: int = Field(
+        default=1, ge=1, description="Trainers (this one included) that must be up before the first step."
+    )
     progress_period: float = Field(default=0.5, gt=0, description="Seconds between progress publications.")
     progress_ttl: float = Field(default=10.0, gt=0, description="Seconds a progress record stays valid.")
     state_averaging_every: int = Field(

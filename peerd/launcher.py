@@ -78,6 +78,8 @@ class PeerProcess:
             self._lines.put(line)
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        if self.ready:
+            return self.ready
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -95,6 +95,7 @@ class CollaborativeTrainer:
     async def run(self, stop: asyncio.Event) -> None:
         publisher = asyncio.ensure_future(self._publish_periodically(stop))
         try:
+            await self._wait_for_peers(stop)
             while not stop.is_set():
                 if self.config.max_steps is not None and self.step >= self.config.max_steps:
                     self.report.state = "idle"
@@ -112,6 +113,20 @@ class CollaborativeTrainer:
                     await self._global_step(expected=max(1, len(view.peers)))
         finally:
             publisher.cancel()
+
+    async def _wait_for_peers(self, stop: asyncio.Event) -> None:
+        wanted = self.config.wait_for_peers
+        if wanted <= 1:
+            return
+        self.report.state = "waiting"
+        logger.info("Waiting for %d trainers before the first step (training.wait_for_peers)", wanted)
+        while not stop.is_set() and len(self.progress.view.peers) < wanted:
+            try:  # the periodic publisher refreshes the view; re-check at its pace
+                await asyncio.wait_for(stop.wait(), self.config.progress_period)
+            except asyncio.TimeoutError:
+                pass
+        if self.progress.view.max_step > self.step and self.config.sync_state_on_join:
+            await self._sync_from_swarm()
 
     async def _micro_step(self) -> None:
         started = time.monotonic()
@@ -149,7 +164,7 @@ class CollaborativeTrainer:
             averaged, round_report = await self.reducer.all_reduce(group, local, weight, self.residual)
             self.report.record_round(round_report)
         except GroupFailed as e:
-            logger.info("Step %d without averaging: %s", self.step, e)
+            logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
             averaged = local
             self.report.rounds_solo += 1
         async with self._step_lock:
