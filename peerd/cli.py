@@ -178,15 +178,18 @@ def config_show(**options: Any) -> None:
 
 @cli.command("swarm")
 @click.option("--peers", "n_peers", type=click.IntRange(1, 16), default=3, show_default=True)
-@click.option("--config", "config_path", type=click.Path(path_type=Path), default=Path("configs/local.yaml"),
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=Path("configs/lm.yaml"),
               show_default=True, help="Config every local peer starts from.")
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for the swarm.")
-def swarm(n_peers: int, config_path: Path, timeout: float) -> None:
-    """Start N local peers on loopback, wait until they all see each other, print the table, stop them."""
-    from peerd.launcher import run_local_swarm
+@click.option("--duration", type=float, default=120.0, show_default=True,
+              help="Seconds to train before stopping (when the config trains).")
+@click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between progress tables.")
+def swarm(n_peers: int, config_path: Path, timeout: float, duration: float, interval: float) -> None:
+    """Start N local peers on loopback, show the swarm, train together (if the config trains), stop them."""
+    from peerd.demo import run_local_swarm
 
     try:
-        sys.exit(run_local_swarm(n_peers, config_path, timeout=timeout))
+        sys.exit(run_local_swarm(n_peers, config_path, timeout=timeout, duration=duration, interval=interval))
     except PeerdError as e:
         _fail(e)
 

@@ -23,7 +23,6 @@ import psutil
 
 from peerd.control.client import fetch_status
 from peerd.errors import DaemonError, PeerdError
-from peerd.tables import format_table
 
 T = TypeVar("T")
 
@@ -235,34 +234,3 @@ class LocalSwarm:
 
     def __exit__(self, *exc: object) -> None:
         self.kill_all()
-
-
-def swarm_table(peers: Sequence[PeerProcess]) -> str:
-    rows = []
-    for peer in peers:
-        status = peer.status()
-        rows.append([peer.name, peer.peer_id, status["state"], len(status["peers"]), f"{status['uptime']:.1f}s",
-                     peer.ready["maddrs"][0], peer.control])
-    return format_table(["name", "peer id", "state", "sees", "uptime", "address", "control"], rows)
-
-
-def run_local_swarm(n_peers: int, config_path: Path, timeout: float = 60.0) -> int:
-    """The README's first command: start, wait for a full mesh in the DHT, print it, stop cleanly."""
-    if not config_path.is_file():
-        raise DaemonError(f"config {config_path} not found; run from the repository root or pass --config")
-    with LocalSwarm(config_path) as swarm:
-        print(f"Starting {n_peers} peers (logs in {swarm.log_dir})", flush=True)
-        started = time.monotonic()
-        try:
-            swarm.start(n_peers, timeout=timeout)
-            swarm.wait_all_see_each_other(timeout=timeout)
-        except (PeerdError, TimeoutError) as e:
-            print(f"swarm failed: {e}", file=sys.stderr)
-            for peer in swarm.peers:
-                print(peer.log_tail(), file=sys.stderr)
-            return 1
-        print(f"All {n_peers} peers see each other after {time.monotonic() - started:.1f}s\n", flush=True)
-        print(swarm_table(swarm.peers), flush=True)
-        codes = swarm.stop()
-        print(f"\nStopped; exit codes {codes}", flush=True)
-        return 0 if all(code == 0 for code in codes) else 1
