@@ -55,6 +55,7 @@ def _overrides(options: dict[str, Any]) -> dict[str, Any]:
         "control_port": "control.port",
         "log_level": "logging.level",
         "log_format": "logging.format",
+        "resume": "training.resume",
     }
     for option, dotted in flag_fields.items():
         value = options.get(option)
@@ -103,6 +104,8 @@ def cli() -> None:
 
 @cli.command()
 @config_options
+@click.option("--resume", is_flag=True, default=None,
+              help="Resume training from the newest usable checkpoint in training.checkpoint.directory.")
 def start(**options: Any) -> None:
     """Start a peer daemon. Prints one JSON ready line on stdout, then logs on stderr."""
     try:
