@@ -20,6 +20,7 @@ class TrainingReport:
     step: int = 0
     loss: float | None = None  # exponential moving average of micro-batch losses
     validation_loss: float | None = None
+    validation_step: int | None = None
     samples_per_second: float = 0.0
     swarm_samples_per_second: float = 0.0
     peers_training: int = 0
@@ -62,6 +63,7 @@ class TrainingReport:
             "step": self.step,
             "loss": self.loss,
             "validation_loss": self.validation_loss,
+            "validation_step": self.validation_step,
             "samples_per_second": round(self.samples_per_second, 2),
             "swarm_samples_per_second": round(self.swarm_samples_per_second, 2),
             "peers_training": self.peers_training,

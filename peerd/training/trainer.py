@@ -98,6 +98,8 @@ class CollaborativeTrainer:
             await self._wait_for_peers(stop)
             while not stop.is_set():
                 if self.config.max_steps is not None and self.step >= self.config.max_steps:
+                    if self.report.validation_step != self.step:  # e.g. the last step came from a state sync
+                        await self._validate()
                     self.report.state = "idle"
                     await stop.wait()
                     break
@@ -176,12 +178,16 @@ class CollaborativeTrainer:
         if self.config.state_averaging_every and self.step % self.config.state_averaging_every == 0:
             await self._average_state()
         if self.step % self.config.validation_every == 0:
-            self.report.validation_loss = await asyncio.to_thread(self.task.validation_loss, self.model)
-            logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
+            await self._validate()
         if self.checkpointer is not None and self.step % self.config.checkpoint.every_steps == 0:
             blob = await self._pack()
             path = await asyncio.to_thread(self.checkpointer.save, blob, self.step)
             logger.info("Checkpoint %s", path)
+
+    async def _validate(self) -> None:
+        self.report.validation_loss = await asyncio.to_thread(self.task.validation_loss, self.model)
+        self.report.validation_step = self.step
+        logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
     def _flat_mean_grad(self, samples: float) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
