@@ -68,6 +68,14 @@ def split_spans(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
+def _carry_error(payload: bytearray, source: torch.Tensor, residual: torch.Tensor, peer_id: str) -> float:
+    """Stores what quantization dropped from ``source`` into ``residual``; returns the relative L2 error."""
+    codec.decode(payload, peer_id=peer_id, out=residual)
+    torch.sub(source, residual, out=residual)
+    norm = float(source.norm())
+    return float(residual.norm()) / norm if norm else 0.0
+
+
 class AllReducer:
     """Serves span reductions to other members and runs this peer's side of each round."""
 
@@ -105,8 +113,8 @@ class AllReducer:
             raise GroupFailed(f"{self.peer_id} is not a member of round {group.round_id}")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be finite and positive, got {weight}")
-        if flat.dim() != 1 or flat.dtype != torch.float32 or not bool(torch.isfinite(flat).all()):
-            raise ValueError("all_reduce takes a finite, flat float32 tensor")
+        if flat.dim() != 1 or flat.dtype != torch.float32:
+            raise ValueError("all_reduce takes a flat float32 tensor")  # the codec refuses NaN/Inf as it encodes
         started = time.monotonic()
         report = RoundReport(group.round_id, len(group.members))
         rank = group.rank_of(self.peer_id)
@@ -117,7 +125,7 @@ class AllReducer:
         if residual is not None:  # our own span enters the average exactly, so its carried error is used up
             own = own + residual[start:end]
             residual[start:end] = 0
-        reducer = SpanReducer(group, rank, own, weight, self.config, codec_config, self.peer_id)
+        reducer = SpanReducer(group, rank, own, weight, self.config, codec_config, self.peer_id, result[start:end])
         async with self._round_registered:
             self._reducers[group.round_id] = reducer
             self._round_registered.notify_all()
@@ -131,7 +139,6 @@ class AllReducer:
             own = asyncio.ensure_future(reducer.finish(deadline))
             await asyncio.wait_for(asyncio.gather(own, *sends), deadline + self.config.join_timeout + 5.0)
             await reducer.answered(self.config.join_timeout)
-            result[start:end] = reducer.averaged
             report.excluded.update(reducer.excluded)
             report.bytes_sent += reducer.bytes_sent
             report.bytes_received += reducer.bytes_received
@@ -160,8 +167,8 @@ class AllReducer:
             source = source + residual[start:end]
         try:
             payload = await asyncio.to_thread(codec.encode, source, codec_config)
-            averaged = await asyncio.wait_for(
-                self._exchange(group, member, index, source.numel(), weight, payload, report),
+            await asyncio.wait_for(
+                self._exchange(group, member, index, weight, payload, result[start:end], report),
                 # the reducer itself may wait round_timeout for a slow member before it answers anyone
                 self.config.round_timeout + self.config.join_timeout,
             )
@@ -174,24 +181,22 @@ class AllReducer:
             report.failed_spans.append(index)
             result[start:end] = flat[start:end]
             return
-        result[start:end] = averaged
         if residual is not None:
-            decoded = await asyncio.to_thread(codec.decode, payload, peer_id=self.peer_id)
-            error = source - decoded
-            residual[start:end] = error
-            norm = float(source.norm())
-            report.codec_error = max(report.codec_error, float(error.norm()) / norm if norm else 0.0)
+            error = await asyncio.to_thread(_carry_error, payload, source, residual[start:end], self.peer_id)
+            report.codec_error = max(report.codec_error, error)
 
     async def _exchange(
         self,
         group: Group,
         member: str,
         index: int,
-        numel: int,
         weight: float,
         payload: bytearray,
+        out: torch.Tensor,
         report: RoundReport,
-    ) -> torch.Tensor:
+    ) -> None:
+        """Sends our contribution to ``member`` and decodes the averaged span it returns into ``out``."""
+        numel = out.numel()
         _, reader, writer = await self.p2p.call_binary_stream_handler(
             PeerID.from_base58(member), HANDLER_NAME
         )
@@ -216,7 +221,7 @@ class AllReducer:
                 )
             data = await read_frame(reader, max_payload_bytes(numel), member, "averaged span")
             report.bytes_received += frame_size(len(data))
-            return await asyncio.to_thread(codec.decode, data, peer_id=member, expected_shape=(numel,))
+            await asyncio.to_thread(codec.decode, data, peer_id=member, expected_shape=(numel,), out=out)
         finally:
             writer.close()
 

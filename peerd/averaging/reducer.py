@@ -38,7 +38,9 @@ class SpanReducer:
         config: AveragingConfig,
         codec_config: CodecConfig,
         peer_id: str,
+        out: torch.Tensor,
     ) -> None:
+        """``out`` receives the coded average of the span (the caller's slice of its result)."""
         self.codec_config = codec_config
         self.group = group
         self.rank = rank
@@ -46,12 +48,13 @@ class SpanReducer:
         self.config = config
         self.peer_id = peer_id
         self.expected = set(group.members) - {peer_id}
-        self.sum = own.to(torch.float32, copy=True).mul_(weight)
+        self.sum = torch.mul(own, weight)
+        self.out = out
+        self._scratch: torch.Tensor | None = None
         self.total_weight = weight
         self.contributors = 1
         self.used: set[str] = set()
         self.excluded: dict[str, str] = {}
-        self.averaged: torch.Tensor | None = None
         self.payload: bytearray | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -89,7 +92,7 @@ class SpanReducer:
             average = self.sum.div_(self.total_weight)
             self.payload = await asyncio.to_thread(codec.encode, average, self.codec_config)
             # Use the coded average ourselves too, so every member applies bit-identical values.
-            self.averaged = await asyncio.to_thread(codec.decode, self.payload, peer_id=self.peer_id)
+            await asyncio.to_thread(codec.decode, self.payload, peer_id=self.peer_id, out=self.out)
         self._done.set()
 
     async def serve(
@@ -109,21 +112,18 @@ class SpanReducer:
             return
         data = await read_frame(reader, request.payload_bytes, sender, "contribution")
         self.bytes_received += frame_size(len(data))
-        try:
-            tensor = await asyncio.to_thread(
-                codec.decode, data, peer_id=sender, expected_shape=(self.numel,), max_numel=self.numel
-            )
-        except CodecError as e:
-            self._settle(sender, str(e))
-            await self._respond(writer, pb.ReduceResponse(code=pb.BAD_PAYLOAD, message=str(e)))
-            return
         async with self._lock:
             if self._finalizing:
                 await self._respond(
                     writer, pb.ReduceResponse(code=pb.TIMED_OUT, message="the span was already averaged")
                 )
                 return
-            await asyncio.to_thread(self.sum.add_, tensor.to(torch.float32), alpha=request.weight)
+            try:
+                await asyncio.to_thread(self._accumulate, data, sender, request.weight)
+            except CodecError as e:
+                self._settle(sender, str(e))
+                await self._respond(writer, pb.ReduceResponse(code=pb.BAD_PAYLOAD, message=str(e)))
+                return
             self.total_weight += request.weight
             self.contributors += 1
             self._settle(sender, None)
@@ -145,6 +145,13 @@ class SpanReducer:
             self._answered.add(sender)
             if self._answered >= self.used:
                 self._all_answered.set()
+
+    def _accumulate(self, data: bytes, sender: str, weight: float) -> None:
+        """Decodes (validating everything) into a reused buffer, then adds; a bad payload adds nothing."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.numel, dtype=torch.float32)
+        codec.decode(data, peer_id=sender, expected_shape=(self.numel,), max_numel=self.numel, out=self._scratch)
+        self.sum.add_(self._scratch, alpha=weight)
 
     async def _respond(
         self, writer: asyncio.StreamWriter, response: pb.ReduceResponse, payload: bytearray | None = None

@@ -1,0 +1,371 @@
+"""Side-by-side all-reduce benchmark: one round of averaging a 16M-element fp32 tensor (64 MB) across 2 and 4 peers.
+
+Usage (root is needed for the shaped environment; without it that environment prints 'skipped: <reason>'):
+
+    .venv/bin/python benchmarks/bench_allreduce.py            # full: 16M elements, 5 reps loopback, 3 reps shaped
+    .venv/bin/python benchmarks/bench_allreduce.py --quick    # smoke: 4M elements, 2 reps each
+    options: --numel N --peers 2,4 --backends gloo,hivemind --envs loopback,netns --reps-loopback 5
+             --reps-netns 3 --warmup 1 --rate-mbit 100 --json out.json --keep-logs
+
+Every peer is a separate OS process (benchmarks/_allreduce_workers.py, launched with subprocess, in the netns
+environment through ``ip netns exec``); each prints one JSON line with per-repetition monotonic start/end stamps,
+the bytes its interface sent, and its error against the exact mean. A repetition's time is
+max(end over peers) - min(start over peers); peers start each repetition together behind a file barrier.
+Medians/minimums are over the non-warm-up repetitions that succeeded on every peer.
+
+Environments:
+  loopback -- all peers in the root namespace on 127.0.0.1; no shaping; the 2 cores are shared by all peers
+              (and by hivemind's p2pd daemons), so this mostly measures CPU/copy/serialisation cost.
+  netns    -- benchmarks/netns.py: one namespace per peer on a bridge in a switch namespace, 10.77.0.x/24,
+              tbf 100 Mbit/s on each peer's egress *and* ingress (full-duplex 100 Mbit port per peer).
+              A raw TCP probe between two namespaces measures the line rate first.
+
+Backends (add one by writing a worker in _allreduce_workers.py and registering it in BACKENDS there):
+  gloo     -- torch.distributed all_reduce(SUM)/n, TCP store on peer 0 (ring all-reduce).
+  hivemind -- hivemind 1.1.12 DecentralizedAverager, NoCompression, group of exactly n. Three rows:
+              'allreduce' = time inside the averager process's _aggregate_with_group (the butterfly all-reduce
+              itself, matchmaking excluded), 'step' = the whole averager.step() (matchmaking included),
+              'matchmaking' = barrier -> start of the all-reduce on each peer (the span is from the first peer
+              released by the barrier to the last one entering the all-reduce).
+
+Columns: median/min s; algbw = fp32 tensor bytes / median time; payload/peer = bytes each peer must send by the
+algorithm (2(n-1)/n x tensor for ring and butterfly); wire tx/peer = bytes actually sent by each peer's interface
+over the whole repetition window (barrier to return, so for hivemind the whole step incl. matchmaking), mean over
+peers, median over reps (netns only -- loopback's counter is shared; TCP/IP headers, ACKs, framing, TLS and
+hivemind's DHT chatter included); payload Mbit/s = payload/peer x 8 / median, with '% of line' relative to the
+measured raw TCP line rate (payload, so both sides exclude headers); x gloo = median / gloo median for the same n;
+max|err| = largest |result - exact mean| over peers and reps. Numbers are printed, never asserted; a repetition
+whose result is wrong on any peer is reported under the table and left out of the timings.
+
+Load: loopback numbers are CPU-bound on 2 cores, so the load average is printed before/after each environment.
+hivemind notes: averager.step() in 1.1.12 can return successfully with part of the vector *not* averaged (a failed
+part is logged as "Averaging: received 99.2% results" and left at the local value) -- the correctness check catches
+that, it is rare (seen once in ~60 loopback rounds of 4 peers under heavy machine load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from _allreduce_workers import BACKENDS
+from netns import NetnsLab, NetnsUnavailable
+
+WORKER = HERE / "_allreduce_workers.py"
+
+try:
+    from peerd.tables import format_table
+except ImportError:  # keep the benchmark usable on its own
+    def format_table(headers, rows):
+        cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+@dataclass
+class Env:
+    name: str
+    addrs: list[str]  # address of peer i
+    prefixes: list[list[str]]  # command prefix of peer i (e.g. ip netns exec ...)
+    iface: str | None  # interface whose tx counter is per peer (None on the shared loopback)
+    reps: int
+    rate_mbit: float | None = None  # nominal shaping
+    line_mbit: float | None = None  # measured raw TCP throughput
+    note: str = ""
+
+
+@dataclass
+class GroupResult:
+    env: str
+    backend: str
+    n: int
+    numel: int
+    times: dict[str, list[float]] = field(default_factory=dict)  # metric -> per good rep seconds
+    tx_bytes: list[float] = field(default_factory=list)  # mean over peers, per good rep
+    max_err: float = 0.0
+    rel_err: float = 0.0
+    good_reps: int = 0
+    total_reps: int = 0
+    errors: list[str] = field(default_factory=list)
+    wall: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """Stop a worker and everything it forked (hivemind's DHT/averager children and p2pd share its group)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # the leader may be gone while its children (p2pd, ...) still run in the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: float, logdir: Path) -> GroupResult:
+    res = GroupResult(env.name, backend, n, numel, total_reps=env.reps)
+    rdv = Path(tempfile.mkdtemp(prefix="rdv-", dir=logdir))
+    port = free_port()  # free in the root namespace; the lab namespaces are fresh, so free there too
+    addrs = ",".join(env.addrs[:n])
+    procs: list[subprocess.Popen] = []
+    started = time.monotonic()
+    outputs: list[str | None] = [None] * n
+    try:
+        for rank in range(n):
+            cmd = env.prefixes[rank] + [
+                sys.executable, str(WORKER), "--backend", backend, "--rank", str(rank), "--n", str(n),
+                "--addrs", addrs, "--numel", str(numel), "--reps", str(env.reps), "--warmup", str(warmup),
+                "--rdv", str(rdv), "--port", str(port)] + (["--iface", env.iface] if env.iface else [])
+            child_env = dict(os.environ, GLOO_SOCKET_IFNAME=env.iface or "lo", PYTHONUNBUFFERED="1",
+                             BENCH_HARNESS_PID=str(os.getpid()))
+            with open(logdir / f"{env.name}-{backend}-n{n}-rank{rank}.log", "w") as log:
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=child_env,
+                                              start_new_session=True))
+        deadline = started + timeout
+        for rank, proc in enumerate(procs):
+            try:
+                outputs[rank], _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                res.errors.append(f"rank {rank}: timed out after {timeout:.0f}s")
+                break
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+    res.wall = time.monotonic() - started
+
+    per_rank = []
+    for rank, out in enumerate(outputs):
+        line = next((x for x in (out or "").splitlines() if x.startswith("BENCH_RESULT ")), None)
+        if line is None:
+            res.errors.append(f"rank {rank}: no result (see {logdir}/{env.name}-{backend}-n{n}-rank{rank}.log)")
+            per_rank.append(None)
+            continue
+        data = json.loads(line[len("BENCH_RESULT "):])
+        if data.get("error"):
+            res.errors.append(f"rank {rank}: {data['error']}")
+        per_rank.append(data)
+    if any(d is None for d in per_rank):
+        return res
+
+    spec = BACKENDS[backend]
+    n_recs = min(len(d.get("records", [])) for d in per_rank)
+    for i in range(n_recs):
+        recs = [d["records"][i] for d in per_rank]
+        if recs[0]["warmup"]:
+            continue
+        errs = [r["error"] for r in recs if r.get("error")]
+        if errs:
+            res.errors.append(f"rep {i}: {errs[0]}")
+            continue
+        if any("max_abs_err" not in r for r in recs):
+            res.errors.append(f"rep {i}: result not checked on every peer")
+            continue
+        max_err = max(r["max_abs_err"] for r in recs)
+        res.max_err = max(res.max_err, max_err)
+        res.rel_err = max(res.rel_err, max(r["rel_l2_err"] for r in recs))
+        if max_err > spec.tolerance:
+            bad = max(r.get("bad_frac", 0.0) for r in recs)
+            res.errors.append(f"rep {i}: WRONG RESULT on rank(s) "
+                              f"{[k for k, r in enumerate(recs) if r['max_abs_err'] > spec.tolerance]}: "
+                              f"max |err| {max_err:.3g} > {spec.tolerance:g} on {100 * bad:.2f}% of the elements")
+            continue
+        spans = {}
+        for metric in spec.metrics:
+            stamps = [r["metrics"].get(metric) for r in recs]
+            if all(s is not None for s in stamps):
+                spans[metric] = max(e for _, e in stamps) - min(s for s, _ in stamps)
+        if "allreduce" not in spans:
+            res.errors.append(f"rep {i}: no all-reduce timing on every peer")
+            continue
+        for metric, seconds in spans.items():
+            res.times.setdefault(metric, []).append(seconds)
+        if all("tx_bytes" in r for r in recs):
+            res.tx_bytes.append(statistics.mean(r["tx_bytes"] for r in recs))
+        res.good_reps += 1
+    return res
+
+
+def _load() -> str:
+    """Other work on the machine skews the CPU-bound loopback numbers: print it next to them."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg()) + f" ({os.cpu_count()} cores)"
+    except OSError:
+        return "n/a"
+
+
+def fmt_bytes(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e6:.1f} MB"
+
+
+def print_table(env: Env, results: list[GroupResult]) -> None:
+    gloo = {r.n: statistics.median(r.times["allreduce"]) for r in results
+            if r.backend == "gloo" and r.times.get("allreduce")}
+    rows = []
+    for r in results:
+        spec = BACKENDS[r.backend]
+        tensor_bytes = r.numel * 4
+        payload = spec.payload_bytes(r.numel, r.n)
+        metrics = [m for m in spec.metrics if r.times.get(m)] or ["allreduce"]
+        for metric in metrics:
+            ts = r.times.get(metric) or []
+            label = r.backend if metric == "allreduce" and len(spec.metrics) == 1 else f"{r.backend} ({metric})"
+            if not ts:
+                rows.append([label, r.n, f"0/{r.total_reps}"] + ["-"] * 8
+                            + [f"{r.max_err:.1e}" if r.max_err else "-", "FAILED"])
+                continue
+            med, low = statistics.median(ts), min(ts)
+            is_transfer = metric != "matchmaking"
+            payload_mbit = payload * 8 / med / 1e6 if payload and is_transfer else None
+            ratio = med / gloo[r.n] if r.n in gloo and is_transfer else None
+            rows.append([
+                label, r.n, f"{r.good_reps}/{r.total_reps}", f"{med:.3f}", f"{low:.3f}",
+                f"{tensor_bytes / med / 1e6:.1f}" if is_transfer else "-",
+                fmt_bytes(payload) if is_transfer else "-",
+                fmt_bytes(statistics.median(r.tx_bytes)) if r.tx_bytes and metric == "allreduce" else "-",
+                f"{payload_mbit:.1f}" if payload_mbit is not None else "-",
+                f"{100 * payload_mbit / env.line_mbit:.0f}%" if payload_mbit is not None and env.line_mbit else "-",
+                f"{ratio:.2f}x" if ratio is not None else "-",
+                f"{r.max_err:.1e}" if metric == "allreduce" else "",
+                "ok" if not r.errors else f"{len(r.errors)} issue(s)",
+            ])
+    headers = ["backend", "peers", "reps ok", "median s", "min s", "algbw MB/s", "payload/peer", "wire tx/peer",
+               "payload Mbit/s", "% of line", "x gloo", "max|err|", "status"]
+    print(format_table(headers, rows))
+    for r in results:
+        for err in r.errors[:5]:
+            print(f"  ! {r.backend} n={r.n}: {err}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=None, help="fp32 elements (default 16M, --quick 4M)")
+    parser.add_argument("--peers", default="2,4")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--envs", default="loopback,netns")
+    parser.add_argument("--reps-loopback", type=int, default=None, help="default 5 (--quick 2)")
+    parser.add_argument("--reps-netns", type=int, default=None, help="default 3 (--quick 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded repetitions before the measured ones")
+    parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--probe-seconds", type=float, default=5.0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4M elements, 2 repetitions")
+    parser.add_argument("--json", type=Path, default=None, help="also write all results here")
+    parser.add_argument("--keep-logs", action="store_true", help="keep per-worker logs (always kept on failure)")
+    args = parser.parse_args()
+
+    numel = args.numel or (4 * 2**20 if args.quick else 16 * 2**20)
+    reps_lo = args.reps_loopback or (2 if args.quick else 5)
+    reps_ns = args.reps_netns or (2 if args.quick else 3)
+    peers = [int(x) for x in args.peers.split(",")]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
+    envs = [e.strip() for e in args.envs.split(",")]
+    logdir = Path(tempfile.mkdtemp(prefix="peerdbench-allreduce-"))
+
+    t_start = time.monotonic()
+    print(f"all-reduce of {numel:,} fp32 elements ({numel * 4 / 1e6:.1f} MB), peers {peers}, backends {backends}, "
+          f"warm-up {args.warmup}, {os.cpu_count()} CPU cores shared by all peers; logs in {logdir}", flush=True)
+    all_results: list[GroupResult] = []
+    any_failure = False
+    envinfo = {}
+
+    def run_env(env: Env) -> None:
+        nonlocal any_failure
+        print(f"\n== {env.name}: {env.note}\n   load average before: {_load()}", flush=True)
+        results = []
+        for n in peers:
+            for backend in backends:
+                per_rep = 60.0 + (4 * numel * 4 * 8 / (env.rate_mbit * 1e6) if env.rate_mbit else 30.0)
+                timeout = 120.0 + (env.reps + args.warmup) * per_rep
+                r = run_group(env, backend, n, numel, args.warmup, timeout, logdir)
+                any_failure |= bool(r.errors)
+                med = statistics.median(r.times["allreduce"]) if r.times.get("allreduce") else float("nan")
+                print(f"   {backend:<10} n={n}: all-reduce median {med:.3f}s over {r.good_reps}/{r.total_reps} reps "
+                      f"(group wall {r.wall:.0f}s){'  ISSUES: ' + '; '.join(r.errors[:2]) if r.errors else ''}",
+                      flush=True)
+                results.append(r)
+        print(f"   load average after: {_load()}")
+        print(f"\n{env.name} results (repetition time = last peer done - first peer started; medians over reps):")
+        print_table(env, results)
+        all_results.extend(results)
+        envinfo[env.name] = {"line_mbit": env.line_mbit, "rate_mbit": env.rate_mbit, "reps": env.reps,
+                             "note": env.note}
+
+    for name in envs:
+        if name == "loopback":
+            run_env(Env("loopback", ["127.0.0.1"] * max(peers), [[] for _ in range(max(peers))], None, reps_lo,
+                        note="127.0.0.1 in the root namespace, unshaped"))
+        elif name == "netns":
+            try:
+                with NetnsLab(max(peers), rate_mbit=args.rate_mbit) as lab:
+                    probe = lab.probe_throughput(0, 1, seconds=args.probe_seconds)
+                    env = Env("netns", [lab.addr(i) for i in range(max(peers))],
+                              [lab.exec_prefix(i) for i in range(max(peers))], "eth0", reps_ns,
+                              rate_mbit=args.rate_mbit, line_mbit=probe["mbit"],
+                              note=f"{lab.describe()}\n   raw TCP probe p0 -> p1 ({probe['seconds']:.1f}s, "
+                                   f"{probe['bytes'] / 1e6:.0f} MB): line rate {probe['mbit']:.1f} Mbit/s of TCP "
+                                   f"payload ({probe['mbit'] / 8:.1f} MB/s; whole-transfer average "
+                                   f"{probe['mbit_whole']:.1f})")
+                    run_env(env)
+            except NetnsUnavailable as e:
+                print(f"\n== netns: skipped: {e}", flush=True)
+        else:
+            print(f"\n== {name}: skipped: unknown environment (known: loopback, netns)")
+
+    wall = time.monotonic() - t_start
+    print(f"\ntotal wall time {wall:.0f}s")
+    if args.json:
+        args.json.write_text(json.dumps({"numel": numel, "envs": envinfo, "wall": wall,
+                                         "results": [r.__dict__ for r in all_results]}, indent=1))
+    if not any_failure and not args.keep_logs:
+        for f in sorted(logdir.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        logdir.rmdir()
+    elif any_failure:
+        print(f"worker logs kept in {logdir}")
+    return 0
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")  # unwind through every finally: workers killed, namespaces removed
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\ninterrupted: workers killed, namespaces removed", file=sys.stderr)
+        sys.exit(130)
