@@ -58,6 +58,11 @@ class SwarmConfig(_Section):
     record_ttl: float = Field(
         default=20.0, gt=0, description="Seconds a record stays in the DHT after its last refresh."
     )
+    nat_port_map: bool = Field(
+        default=False,
+        description="Let p2pd ask the LAN's router for a port mapping (UPnP/NAT-PMP). Off by default: it sends "
+        "discovery traffic to the local network; forward the port or set announce_maddrs instead.",
+    )
     bootstrap_attempts: int = Field(default=3, ge=1, le=100, description="Tries to reach the initial peers.")
     bootstrap_retry_delay: float = Field(
         default=2.0, ge=0, description="Seconds before the first retry; doubles on each further try."

@@ -114,6 +114,7 @@ class SwarmNode:
             host_maddrs=list(config.host_maddrs),
             startup_timeout=config.startup_timeout,
             wait_timeout=config.request_timeout,
+            nat_port_map=config.nat_port_map,
         )
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
