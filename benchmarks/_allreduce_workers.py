@@ -301,7 +301,8 @@ def peerd_worker(ctx: WorkerCtx) -> None:
             ctx.publish("peerd-maddrs", [str(m) for m in run(p2p.get_visible_maddrs())])
         ctx.publish(f"peerd-id-{ctx.rank}", str(p2p.peer_id))
         members = tuple(ctx.lookup(f"peerd-id-{r}") for r in range(ctx.n))
-        config = AveragingConfig(round_timeout=120.0, join_timeout=30.0)
+        config = AveragingConfig(round_timeout=120.0, join_timeout=30.0,
+                                 chunk_numel=int(os.environ.get("PEERD_BENCH_CHUNK", 2**19)))
         reducer = AllReducer(p2p, config)
         run(reducer.start())
         ctx.barrier("peerd-handlers")
@@ -320,8 +321,8 @@ def peerd_worker(ctx: WorkerCtx) -> None:
 
 
 def _peerd_payload(numel: int, n: int) -> float:
-    """8-bit codes + a bf16 scale per 64 elements, for 2*(n-1)/n of the tensor per peer."""
-    return 2 * (n - 1) / n * numel * (1 + 2 / 64)
+    """8-bit codes + a bf16 scale per 128 elements (the default block), for 2*(n-1)/n of the tensor per peer."""
+    return 2 * (n - 1) / n * numel * (1 + 2 / 128)
 
 
 def _ring_like(numel: int, n: int) -> float:

@@ -2,14 +2,15 @@
 
 Usage: ``.venv/bin/python benchmarks/bench_codec.py [--numel 16777216] [--repeats 7] [--threads N]``
 
-Everything is measured in one process on the same fp32 tensor (standard normal), median of ``--repeats`` runs
-after one warm-up. Rows:
+Everything is measured in one process on the same fp32 tensor (standard normal), median and minimum of
+``--repeats`` runs after one warm-up (the minimum is the cost without interference from other load). Rows:
 
 * peerd round trip = ``decode(encode(x))`` returning a fresh tensor, and with ``decode(..., out=buffer)``
   (a fresh 64 MB result costs page faults that a reused buffer does not: see the "fresh alloc + copy" row);
 * hivemind round trip = ``BlockwiseQuantization.compress`` + ``extract`` (bitsandbytes, 4096-element blocks,
   dynamic 8-bit codebook). hivemind 1.1.12's ``extract`` calls ``int()`` on a 1-element numpy array, which
-  numpy >= 2.4 rejects; :func:`_hivemind_extract` is the same code with ``[0]`` indexing, nothing else changed;
+  numpy >= 2.4 rejects; :func:`_hivemind_extract` is the same code with ``[0]`` indexing, nothing else
+  changed;
 * memcpy = ``dst.copy_(src)`` into a preallocated tensor: no codec can beat reading and writing the data once.
 
 Then a block-size sweep of the peerd codec (bf16 scales), which is what the default block size rests on.
@@ -24,29 +25,27 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from peerd.averaging.codec import decode, encode  # noqa: E402
-from peerd.config import CodecConfig  # noqa: E402
+from peerd.averaging.codec import decode, encode
+from peerd.config import CodecConfig
 
 PEER = "bench"
 SWEEP_BLOCKS = (32, 64, 128, 256, 512, 1024)
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def timings_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median, minimum) wall time in ms; the minimum shows the cost without interference from other load."""
     fn()  # warm-up: first-touch of buffers, lazy imports, allocator growth
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, min(times) * 1e3
 
 
 def rel_l2(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -79,7 +78,7 @@ def hivemind_roundtrip() -> tuple[Callable[[torch.Tensor], tuple[torch.Tensor, i
         import bitsandbytes.functional  # noqa: F401
         from hivemind.compression.base import CompressionInfo
         from hivemind.compression.quantization import BlockwiseQuantization
-    except Exception as e:  # any import failure means "unavailable", with the reason printed
+    except (ImportError, OSError, RuntimeError) as e:  # e.g. no bitsandbytes, or no native library for it
         return None, f"{type(e).__name__}: {e}"
     quantizer = BlockwiseQuantization()
 
@@ -89,73 +88,130 @@ def hivemind_roundtrip() -> tuple[Callable[[torch.Tensor], tuple[torch.Tensor, i
 
     try:
         roundtrip(torch.randn(8192))
-    except Exception as e:
+    except (RuntimeError, TypeError, ValueError, AttributeError, OSError) as e:  # a broken install
         return None, f"{type(e).__name__}: {e}"
     return roundtrip, ""
 
 
+class Table:
+    """Rows of (median ms, min ms, relative L2 error, payload bytes); the ratio column is against hivemind."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.rows: list[tuple[str, tuple[float, float] | None, float | None, int | None, str]] = []
+        self.hivemind_ms: float | None = None
+
+    def add(
+        self, name: str, ms: tuple[float, float] | None, err: float | None, size: int | None, note: str = ""
+    ) -> None:
+        self.rows.append((name, ms, err, size, note))
+
+    def print(self) -> None:
+        gb = self.numel * 4 / 1e9
+        print(
+            f"\n{'':32} {'median ms':>9} {'min ms':>8} {'GB/s':>6} {'t/hivemind':>10} {'rel L2 err':>10} "
+            f"{'bytes/elt':>9}"
+        )
+        for name, ms, err, size, note in self.rows:
+            if ms is None:
+                print(f"{name:32} {note}")
+                continue
+            ratio = f"{ms[0] / self.hivemind_ms:.3f}" if self.hivemind_ms else "-"
+            err_s = f"{err:.3e}" if err is not None else "-"
+            bpe = f"{size / self.numel:.4f}" if size is not None else "-"
+            print(
+                f"{name:32} {ms[0]:9.2f} {ms[1]:8.2f} {gb / (ms[0] / 1e3):6.1f} {ratio:>10} {err_s:>10} "
+                f"{bpe:>9}"
+            )
+
+
+def block_sweep(x: torch.Tensor, heavy: torch.Tensor, repeats: int) -> None:
+    numel, out = x.numel(), torch.empty_like(x)
+    print("\nblock-size sweep (bf16 scales; round trip with decode out=; heavy = Student-t with 3 dof):")
+    print(
+        f"{'block':>6} {'bytes/elt':>10} {'fp32 scales':>12} {'rel err normal':>15} {'rel err heavy':>14} "
+        f"{'median ms':>10} {'min ms':>8}"
+    )
+    for block in SWEEP_BLOCKS:
+        config = CodecConfig(block_size=block)
+        payload = encode(x, config)
+
+        def roundtrip(config: CodecConfig = config) -> object:
+            return decode(encode(x, config), peer_id=PEER, out=out)
+
+        median, fastest = timings_ms(roundtrip, repeats)
+        err_heavy = rel_l2(heavy, decode(encode(heavy, config), peer_id=PEER))
+        fp32_scales = (len(payload) + 2 * math.ceil(numel / block)) / numel
+        print(
+            f"{block:>6} {len(payload) / numel:>10.4f} {fp32_scales:>12.4f} "
+            f"{rel_l2(x, decode(payload, peer_id=PEER)):>15.3e} {err_heavy:>14.3e} "
+            f"{median:>10.2f} {fastest:>8.2f}"
+        )
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2**20, help="elements of the fp32 test tensor")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per row (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--block-size", type=int, default=128, help="peerd block size for the main table")
+    parser.add_argument("--block-size", type=int, default=128, help="peerd block size of the main table")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-
     numel, repeats = args.numel, args.repeats
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    gb = numel * 4 / 1e9
+    torch.manual_seed(1)
+    heavy = torch.distributions.StudentT(3.0).sample((numel,)).float()
     config = CodecConfig(block_size=args.block_size)
-    print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, numel = {numel} "
-          f"({numel * 4 / 2**20:.0f} MiB fp32), repeats = {repeats}, peerd block size = {args.block_size}")
+    print(
+        f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, numel = {numel} "
+        f"({numel * 4 / 2**20:.0f} MiB fp32), repeats = {repeats}, peerd block size = {args.block_size}"
+    )
 
-    rows: list[tuple[str, float | None, float | None, int | None, str]] = []
     payload = encode(x, config)
-    y = decode(payload, peer_id=PEER)
-    out = torch.empty_like(x)
-    error, size = rel_l2(x, y), len(payload)
-    rows.append(("peerd round trip (fresh result)", median_ms(lambda: decode(encode(x, config), peer_id=PEER), repeats), error, size, ""))
-    rows.append(("peerd round trip (decode out=)", median_ms(lambda: decode(encode(x, config), peer_id=PEER, out=out), repeats), error, size, ""))
-    rows.append(("  peerd encode", median_ms(lambda: encode(x, config), repeats), None, size, ""))
-    rows.append(("  peerd decode (fresh result)", median_ms(lambda: decode(payload, peer_id=PEER), repeats), None, None, ""))
-    rows.append(("  peerd decode (out=)", median_ms(lambda: decode(payload, peer_id=PEER, out=out), repeats), None, None, ""))
+    error, size = rel_l2(x, decode(payload, peer_id=PEER)), len(payload)
+    heavy_errors = {"peerd": rel_l2(heavy, decode(encode(heavy, config), peer_id=PEER))}
+    out, dst = torch.empty_like(x), torch.empty_like(x)
 
+    def roundtrip() -> object:
+        return decode(encode(x, config), peer_id=PEER)
+
+    def roundtrip_out() -> object:
+        return decode(encode(x, config), peer_id=PEER, out=out)
+
+    table = Table(numel)
     hivemind, reason = hivemind_roundtrip()
-    hivemind_ms = None
     if hivemind is None:
-        rows.append(("hivemind BlockwiseQuantization", None, None, None, f"unavailable: {reason}"))
+        table.add("hivemind BlockwiseQuantization", None, None, None, f"unavailable: {reason}")
     else:
         y_hm, size_hm = hivemind(x)
-        hivemind_ms = median_ms(lambda: hivemind(x), repeats)
-        rows.append(("hivemind BlockwiseQuantization", hivemind_ms, rel_l2(x, y_hm), size_hm, ""))
-
-    dst = torch.empty_like(x)
-    rows.append(("memcpy dst.copy_(src) (floor)", median_ms(lambda: dst.copy_(x), repeats), 0.0, numel * 4, ""))
-    rows.append(("fresh alloc + copy (x.clone())", median_ms(lambda: x.clone(), repeats), 0.0, numel * 4, ""))
-
-    print(f"\n{'':33} {'time ms':>9} {'GB/s':>7} {'t/hivemind':>10} {'rel L2 err':>11} {'bytes/elt':>10}")
-    for name, ms, err, nbytes, note in rows:
-        if ms is None:
-            print(f"{name:33} {note}")
-            continue
-        ratio = f"{ms / hivemind_ms:.3f}" if hivemind_ms else "-"
-        err_s = f"{err:.3e}" if err is not None else "-"
-        bpe = f"{nbytes / numel:.4f}" if nbytes is not None else "-"
-        print(f"{name:33} {ms:9.2f} {gb / (ms / 1e3):7.1f} {ratio:>10} {err_s:>11} {bpe:>10}")
-
-    heavy = torch.distributions.StudentT(3.0).sample((numel,)).float()
-    print(f"\nblock-size sweep (bf16 scales; round trip with decode out=; heavy = Student-t, 3 dof):")
-    print(f"{'block':>6} {'bytes/elt':>10} {'(fp32 scales)':>14} {'rel err normal':>15} {'rel err heavy':>14} {'round trip ms':>14}")
-    for block in SWEEP_BLOCKS:
-        cfg = CodecConfig(block_size=block)
-        payload = encode(x, cfg)
-        ms = median_ms(lambda: decode(encode(x, cfg), peer_id=PEER, out=out), repeats)
-        err_heavy = rel_l2(heavy, decode(encode(heavy, cfg), peer_id=PEER))
-        nblocks = math.ceil(numel / block)
-        print(f"{block:>6} {len(payload) / numel:>10.4f} {(len(payload) + 2 * nblocks) / numel:>14.4f} "
-              f"{rel_l2(x, decode(payload, peer_id=PEER)):>15.3e} {err_heavy:>14.3e} {ms:>14.2f}")
+        hivemind_ms = timings_ms(lambda: hivemind(x), repeats)
+        table.hivemind_ms = hivemind_ms[0]
+        table.add("hivemind BlockwiseQuantization", hivemind_ms, rel_l2(x, y_hm), size_hm)
+        heavy_errors["hivemind"] = rel_l2(heavy, hivemind(heavy)[0])
+    table.add("peerd round trip (fresh result)", timings_ms(roundtrip, repeats), error, size)
+    table.add("peerd round trip (decode out=)", timings_ms(roundtrip_out, repeats), error, size)
+    table.add("  peerd encode", timings_ms(lambda: encode(x, config), repeats), None, size)
+    table.add(
+        "  peerd decode (fresh result)",
+        timings_ms(lambda: decode(payload, peer_id=PEER), repeats),
+        None,
+        None,
+    )
+    table.add(
+        "  peerd decode (out=)",
+        timings_ms(lambda: decode(payload, peer_id=PEER, out=out), repeats),
+        None,
+        None,
+    )
+    table.add("memcpy dst.copy_(src) (floor)", timings_ms(lambda: dst.copy_(x), repeats), 0.0, numel * 4)
+    table.add("fresh alloc + copy: x.clone()", timings_ms(lambda: x.clone(), repeats), 0.0, numel * 4)
+    table.print()
+    print(
+        "rel L2 err on heavy-tailed data (Student-t, 3 dof): "
+        + ", ".join(f"{name} {err:.3e}" for name, err in heavy_errors.items())
+    )
+    block_sweep(x, heavy, repeats)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The daemon: builds components from the config, supervises them on one uvloop loop, shuts down in reverse.
 
-Start order: swarm (p2pd + DHT) -> trainer (if enabled) -> control endpoint -> first record -> ready line.
-Stop order: announce ``leaving`` -> trainer -> control endpoint -> swarm. Each step is logged and bounded.
+Start order: swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if enabled) -> control
+endpoint -> first record -> ready line.
+Stop order: announce ``leaving`` -> trainer -> expert server -> control endpoint -> swarm. Each step is logged and bounded.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 from peerd import __version__
 from peerd.config import PeerdConfig
 from peerd.control.server import ControlServer
+from peerd.control.terminal import TerminalProgress
 from peerd.errors import DaemonError, PeerdError
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
 
 if TYPE_CHECKING:
+    from peerd.experts import ExpertClient, ExpertServer
     from peerd.training.trainer import CollaborativeTrainer
 
 logger = logging.getLogger(__name__)
@@ -41,32 +44,48 @@ class Daemon:
         self._trainer_task: asyncio.Task[None] | None = None
         self._trainer_stop = asyncio.Event()
         self._p2p: Any = None
+        self.experts: ExpertServer | None = None
+        self.expert_client: ExpertClient | None = None
         self._announce_now = asyncio.Event()
+        self._progress: TerminalProgress | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
+        if self.config.experts is not None:
+            await self._start_experts()
         if self.config.training.enabled:
             await self._start_trainer()
-        self.control = await ControlServer.create(self.config.control, self.status)
+        self.control = await ControlServer.create(self.config.control, self.status, self.history)
         self.state = PeerState.TRAINING if self.trainer is not None else PeerState.IDLE
         await self.swarm.publish(self.record())
         if self.trainer is not None:
             self._trainer_task = asyncio.ensure_future(self.trainer.run(self._trainer_stop))
+            self._progress = TerminalProgress.start(self.config.logging, self.training_snapshot)
+
+    async def _start_experts(self) -> None:
+        from peerd.experts import ExpertServer
+
+        assert self.swarm is not None and self.config.experts is not None
+        self._p2p = self._p2p or await self.swarm.dht.replicate_p2p()
+        self.experts = await ExpertServer.create(self.config.experts, self.swarm, self._p2p, self.config.run_name)
 
     async def _start_trainer(self) -> None:
-        from peerd.training.tasks import build_task, shard_for_peer
+        from peerd.experts import ExpertClient
+        from peerd.training.tasks import TaskRuntime, build_task, shard_for_peer
         from peerd.training.trainer import CollaborativeTrainer
 
         assert self.swarm is not None
         task_config = self.config.training.task
         shard = shard_for_peer(task_config, self.swarm.peer_id)
-        task = await asyncio.to_thread(build_task, task_config, shard)
+        self._p2p = self._p2p or await self.swarm.dht.replicate_p2p()
+        # a task with remote MoE layers calls experts through this; it reads the DHT only once a layer uses it
+        self.expert_client = ExpertClient(self.swarm, self._p2p, self.config.run_name)
+        task = await asyncio.to_thread(build_task, task_config, shard, TaskRuntime(experts=self.expert_client))
         logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
                     task_config.num_shards)
-        self._p2p = await self.swarm.dht.replicate_p2p()
         self.trainer = CollaborativeTrainer(
             self.config.training, self.config.averaging, task, self.swarm, self._p2p, self.config.run_name
         )
@@ -110,6 +129,9 @@ class Daemon:
 
     async def shutdown(self) -> None:
         timeout = self.config.shutdown_timeout
+        if self._progress is not None:
+            await self._progress.stop()
+            self._progress = None
         if self.swarm is not None and self.swarm.alive() and self.state is not PeerState.STARTING:
             self.state = PeerState.LEAVING
             try:
@@ -130,6 +152,13 @@ class Daemon:
             await self.trainer.stop()
             logger.info("Trainer stopped")
             self.trainer = None
+        if self.expert_client is not None:
+            await self.expert_client.close()
+            self.expert_client = None
+        if self.experts is not None:
+            await self.experts.stop()
+            logger.info("Expert server stopped")
+            self.experts = None
         if self._p2p is not None:
             await self._p2p.shutdown()
             self._p2p = None
@@ -158,13 +187,36 @@ class Daemon:
             peer_id=self.swarm.peer_id,
             software_version=__version__,
             protocol_version=PROTOCOL_VERSION,
-            roles=list(self.config.swarm.roles),
+            roles=self._roles(),
             state=self.state,
             maddrs=self.swarm.visible_maddrs(),
-            capabilities=Capabilities(throughput=throughput),
+            capabilities=Capabilities(throughput=throughput, experts=self.experts.uids if self.experts else []),
             started_at=self.started_at,
             updated_at=max(now(), self.started_at),
         )
+
+    def _roles(self) -> list[str]:
+        roles = list(self.config.swarm.roles)
+        if self.experts is not None and "expert_host" not in roles:
+            roles.append("expert_host")
+        return roles
+
+    def experts_snapshot(self) -> dict[str, Any] | None:
+        """``server``: this host's experts (calls, tokens, latency, errors, updates); ``client``: the experts
+        this peer's model called (latency, failures) and its MoE layers (fallback tokens)."""
+        if self.experts is None and self.expert_client is None:
+            return None
+        client = self.expert_client.status() if self.expert_client is not None else None
+        return {
+            "server": self.experts.status() if self.experts is not None else None,
+            "client": client if client and (client["experts"] or client["layers"]) else None,
+        }
+
+    def training_snapshot(self) -> dict[str, Any] | None:
+        return self.trainer.report.as_dict() if self.trainer is not None else None
+
+    def history(self, points: int) -> dict[str, Any] | None:
+        return self.trainer.report.history(points) if self.trainer is not None else None
 
     def ready_info(self) -> dict[str, Any]:
         assert self.swarm is not None and self.control is not None
@@ -200,11 +252,12 @@ class Daemon:
             "state": self.state.value,
             "maddrs": self.swarm.visible_maddrs(),
             "uptime": round(current - self.started_at, 2),
-            "roles": list(self.config.swarm.roles),
+            "roles": self._roles(),
             "pid": os.getpid(),
             "peers": peers,
             "dht_error": error,
             "training": self.trainer.report.as_dict() if self.trainer is not None else None,
+            "experts": self.experts_snapshot(),
         }
 
 

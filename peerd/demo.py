@@ -58,7 +58,11 @@ def run_local_swarm(n_peers: int, config_path: Path, timeout: float = 60.0, dura
                 # distinct data shards, so the peers really pool different data
                 extra = ["-o", f"training.task.shard_index={index % config.training.task.num_shards}",
                          "-o", f"training.wait_for_peers={n_peers}"]
-                peer = swarm.spawn_peer(extra if trains else [])
+                extra = extra if trains else []
+                experts = config.experts
+                if experts is not None and experts.uids is None:  # each peer serves its own range of experts
+                    extra += ["-o", f"experts.first_index={experts.first_index + index * experts.count}"]
+                peer = swarm.spawn_peer(extra)
                 if index == 0:
                     peer.wait_ready(timeout)
             for peer in swarm.peers:

@@ -49,4 +49,47 @@ def format_status(data: dict[str, Any]) -> str:
     if data.get("dht_error"):
         lines.append(f"warning:   {data['dht_error']}")
     lines += ["", f"peers seen ({len(data.get('peers', []))}):", format_peers(data.get("peers", []))]
+    if data.get("experts"):
+        lines += ["", format_experts(data["experts"])]
     return "\n".join(lines)
+
+
+def _ms(value: Any) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_experts(experts: dict[str, Any]) -> str:
+    """The ``experts`` section of a status: served experts (host side) and called experts (caller side)."""
+    parts = []
+    server = experts.get("server")
+    if server:
+        rows = []
+        for uid, info in server.get("experts", {}).items():
+            for phase in ("forward", "backward"):
+                calls = info.get(phase, {})
+                rows.append([uid, phase, calls.get("calls", 0), calls.get("tokens", 0), calls.get("mean_batch_tokens", "-"),
+                             _ms(calls.get("mean_ms")), _ms(calls.get("p99_ms")), calls.get("errors", 0),
+                             info.get("updates", 0) if phase == "backward" else "",
+                             f"{info.get('distance_from_init', 0):.4f}" if phase == "backward" else ""])
+        lines = [f"experts served ({len(server.get('experts', {}))}, {server.get('rejected_calls', 0)} malformed "
+                 "calls refused):",
+                 format_table(["expert", "pass", "calls", "tokens", "batch", "mean ms", "p99 ms", "errors", "updates",
+                               "moved"], rows)]
+        parts.append("\n".join(lines))
+    client = experts.get("client")
+    if client:
+        rows = []
+        for uid, info in client.get("experts", {}).items():
+            fwd, bwd = info.get("forward", {}), info.get("backward", {})
+            rows.append([uid, _short_id(info.get("peer_id") or "-"), "yes" if info.get("announced") else "no",
+                         fwd.get("calls", 0), _ms(fwd.get("mean_ms")), _ms(fwd.get("p99_ms")), _ms(bwd.get("mean_ms")),
+                         _ms(bwd.get("p99_ms")), fwd.get("errors", 0) + bwd.get("errors", 0),
+                         fwd.get("timeouts", 0) + bwd.get("timeouts", 0), info.get("backing_off_for", 0.0) or "-"])
+        layers = ", ".join(f"{name}: {info.get('fallback_tokens', 0)} of {info.get('tokens', 0)} tokens fell back"
+                           for name, info in client.get("layers", {}).items())
+        parts.append("\n".join([
+            f"experts called ({layers or 'no MoE layer'}):",
+            format_table(["expert", "host", "alive", "calls", "fwd mean ms", "fwd p99", "bwd mean ms", "bwd p99",
+                          "failures", "timeouts", "backoff s"], rows),
+        ]))
+    return "\n\n".join(parts)

@@ -1,5 +1,4 @@
-"""Averaging: the payload codec (8-bit blockwise quantization, wire format ``protocols/codec.v1.md``) and error
-feedback for it."""
+"""Averaging payloads: the 8-bit blockwise codec (wire format ``protocols/codec.v1.md``), error feedback."""
 
 from peerd.averaging.codec import Scheme, decode, encode
 from peerd.averaging.feedback import ErrorFeedback, encode_with_feedback

@@ -23,7 +23,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from peerd.averaging import codec
-from peerd.averaging.reducer import SpanReducer, max_payload_bytes
+from peerd.averaging.reducer import SpanReducer, chunk_bounds, max_payload_bytes
 from peerd.averaging.wire import frame_size, read_frame, read_message, write_frame, write_message
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
@@ -68,12 +68,15 @@ def split_spans(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
-def _carry_error(payload: bytearray, source: torch.Tensor, residual: torch.Tensor, peer_id: str) -> float:
-    """Stores what quantization dropped from ``source`` into ``residual``; returns the relative L2 error."""
-    codec.decode(payload, peer_id=peer_id, out=residual)
-    torch.sub(source, residual, out=residual)
-    norm = float(source.norm())
-    return float(residual.norm()) / norm if norm else 0.0
+def _encode_chunk(
+    chunk: torch.Tensor, config: CodecConfig, dropped: torch.Tensor | None, peer_id: str
+) -> bytearray:
+    """Codes one chunk; with error feedback also computes what the coding dropped (into ``dropped``)."""
+    payload = codec.encode(chunk, config)
+    if dropped is not None:
+        codec.decode(payload, peer_id=peer_id, out=dropped)
+        torch.sub(chunk, dropped, out=dropped)
+    return payload
 
 
 class AllReducer:
@@ -160,30 +163,37 @@ class AllReducer:
         report: RoundReport,
         codec_config: CodecConfig,
     ) -> None:
+        """Streams our chunks of ``member``'s span to it and decodes the averaged chunks it streams back.
+
+        Chunks whose average never arrives keep our own values; error feedback is carried only for the
+        chunks the reducer says it included.
+        """
         start, end = span
         index = group.rank_of(member)
         source = flat[start:end]
         if residual is not None:
             source = source + residual[start:end]
+        chunks = chunk_bounds(end - start, self.config.chunk_numel)
+        received: set[int] = set()
+        errors: list[float] = []
         try:
-            payload = await asyncio.to_thread(codec.encode, source, codec_config)
             await asyncio.wait_for(
-                self._exchange(group, member, index, weight, payload, result[start:end], report),
-                # the reducer itself may wait round_timeout for a slow member before it answers anyone
+                self._exchange(group, member, index, weight, source, chunks, result[start:end],
+                               residual[start:end] if residual is not None else None, received, errors,
+                               report, codec_config),
+                # the reducer itself may wait round_timeout for a slow member before it averages a chunk
                 self.config.round_timeout + self.config.join_timeout,
             )
-        except (PeerdError, OSError, asyncio.TimeoutError, ConnectionError) as e:
+        except (PeerdError, OSError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e)
-            logger.warning(
-                "Round %s: reducer %s of span %d failed: %s", group.round_id, member, index, reason
-            )
+            logger.warning("Round %s: reducer %s of span %d failed: %s", group.round_id, member, index, reason)
             report.excluded.setdefault(member, reason)
             report.failed_spans.append(index)
-            result[start:end] = flat[start:end]
-            return
-        if residual is not None:
-            error = await asyncio.to_thread(_carry_error, payload, source, residual[start:end], self.peer_id)
-            report.codec_error = max(report.codec_error, error)
+        for k, (a, b) in enumerate(chunks):
+            if k not in received:
+                result[start + a : start + b] = flat[start + a : start + b]
+        if errors:
+            report.codec_error = max(report.codec_error, max(errors))
 
     async def _exchange(
         self,
@@ -191,37 +201,55 @@ class AllReducer:
         member: str,
         index: int,
         weight: float,
-        payload: bytearray,
+        source: torch.Tensor,
+        chunks: list[tuple[int, int]],
         out: torch.Tensor,
+        residual: torch.Tensor | None,
+        received: set[int],
+        errors: list[float],
         report: RoundReport,
+        codec_config: CodecConfig,
     ) -> None:
-        """Sends our contribution to ``member`` and decodes the averaged span it returns into ``out``."""
-        numel = out.numel()
-        _, reader, writer = await self.p2p.call_binary_stream_handler(
-            PeerID.from_base58(member), HANDLER_NAME
-        )
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(member), HANDLER_NAME)
+        # What quantization drops from each chunk, committed to the residual once the chunk is included.
+        dropped = torch.empty_like(source) if residual is not None else None
         try:
             request = pb.ReduceRequest(
-                protocol_version=PROTOCOL_VERSION,
-                round_id=group.round_id,
-                span_index=index,
-                span_numel=numel,
-                weight=weight,
-                payload_bytes=len(payload),
+                protocol_version=PROTOCOL_VERSION, round_id=group.round_id, span_index=index,
+                span_numel=source.numel(), weight=weight, chunk_numel=self.config.chunk_numel,
             )
             sent = await write_message(writer, request)
-            sent += await write_frame(writer, payload)
-            report.bytes_sent += sent  # after the awaits: contributions to several reducers run concurrently
-            response = await read_message(reader, pb.ReduceResponse, member)
-            report.bytes_received += frame_size(response.ByteSize())
-            if response.code != pb.OK:
-                raise ProtocolViolation(
-                    f"{member} refused our contribution: {pb.MessageCode.Name(response.code)} {response.message}",
-                    peer_id=member,
-                )
-            data = await read_frame(reader, max_payload_bytes(numel), member, "averaged span")
-            report.bytes_received += frame_size(len(data))
-            await asyncio.to_thread(codec.decode, data, peer_id=member, expected_shape=(numel,), out=out)
+            report.bytes_sent += sent
+
+            async def send_chunks() -> None:
+                for a, b in chunks:
+                    payload = await asyncio.to_thread(_encode_chunk, source[a:b], codec_config,
+                                                      dropped[a:b] if dropped is not None else None, self.peer_id)
+                    sent = await write_frame(writer, payload)
+                    report.bytes_sent += sent  # after the await: several reducers are fed concurrently
+
+            sending = asyncio.ensure_future(send_chunks())
+            try:
+                for k, (a, b) in enumerate(chunks):
+                    response = await read_message(reader, pb.ReduceResponse, member)
+                    report.bytes_received += frame_size(response.ByteSize())
+                    if response.code != pb.OK or response.chunk_index != k:
+                        raise ProtocolViolation(
+                            f"{member} refused our contribution: {pb.MessageCode.Name(response.code)} "
+                            f"{response.message}", peer_id=member,
+                        )
+                    data = await read_frame(reader, max_payload_bytes(b - a), member, "averaged chunk")
+                    report.bytes_received += frame_size(len(data))
+                    await asyncio.to_thread(codec.decode, data, peer_id=member, expected_shape=(b - a,), out=out[a:b])
+                    received.add(k)
+                    # included => the reducer got our chunk k, so its encoding (and `dropped`) is complete
+                    if residual is not None and dropped is not None and response.included:
+                        residual[a:b] = dropped[a:b]
+                        norm = float(source[a:b].norm())
+                        errors.append(float(dropped[a:b].norm()) / norm if norm else 0.0)
+                await sending
+            finally:
+                sending.cancel()
         finally:
             writer.close()
 

@@ -138,15 +138,13 @@ def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int) ->
     scratch = torch.empty(min(numel, max(1, CHUNK_NUMEL // block) * block))
     for start, first, rows, width in _spans(numel, block):
         end, stop = start + rows * width, first + rows
-        _quantize_rows(
-            flat[start:end].view(rows, width), codes[start:end].view(rows, width),
-            absmax[first:stop], scales[first:stop], scratch[: end - start].view(rows, width),
-        )  # fmt: skip
+        values, chunk_codes = flat[start:end].view(rows, width), codes[start:end].view(rows, width)
+        tmp = scratch[: end - start].view(rows, width)
+        _quantize_rows(values, chunk_codes, absmax[first:stop], scales[first:stop], tmp)
     if not math.isfinite(float(absmax.max())):  # amax propagates NaN, so one check covers every element
         raise _non_finite(flat.dtype)
-    torch.frombuffer(buf, dtype=torch.bfloat16, count=nblocks, offset=head).copy_(
-        scales
-    )  # exact: bf16 values
+    # The scales hold bf16 values already (rounded up in _quantize_rows), so narrowing them is exact.
+    torch.frombuffer(buf, dtype=torch.bfloat16, count=nblocks, offset=head).copy_(scales)
     return buf
 
 

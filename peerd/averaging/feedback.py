@@ -67,8 +67,8 @@ class ErrorFeedback:
     def _check(key: str, residual: torch.Tensor, tensor: torch.Tensor) -> None:
         if residual.shape != tensor.shape or residual.dtype != tensor.dtype:
             raise ValueError(
-                f"error feedback for {key!r} holds a residual of {tuple(residual.shape)} {residual.dtype} but "
-                f"the tensor is {tuple(tensor.shape)} {tensor.dtype}; call reset({key!r}) after changing it"
+                f"error feedback for {key!r} holds a residual of {tuple(residual.shape)} {residual.dtype} "
+                f"but the tensor is {tuple(tensor.shape)} {tensor.dtype}; call reset({key!r}) after a change"
             )
 
 

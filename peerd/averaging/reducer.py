@@ -1,10 +1,14 @@
-"""The reducer of one span in one round: validates contributions, averages them, answers each sender."""
+"""The reducer of one span in one round: validates contributions chunk by chunk and averages each chunk as
+soon as every member still in the round has delivered it, so averages flow back while contributions still
+arrive. A member whose chunk fails validation, whose stream breaks or who is too slow is excluded from the
+rest of the round; its earlier, valid chunks stay in their averages. Nothing invalid is ever added."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +16,7 @@ import torch
 from peerd.averaging import codec
 from peerd.averaging.wire import frame_size, read_frame, write_frame, write_message
 from peerd.config import AveragingConfig, CodecConfig
-from peerd.errors import CodecError
+from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
 if TYPE_CHECKING:
@@ -24,8 +28,12 @@ MAX_WEIGHT = 1e12
 
 
 def max_payload_bytes(numel: int) -> int:
-    """Largest codec payload a span of ``numel`` elements may take (raw fp32 plus header and shape)."""
+    """Largest codec payload ``numel`` elements may take (raw fp32 plus header and shape)."""
     return 4 * numel + 4096
+
+
+def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    return [(start, min(numel, start + chunk_numel)) for start in range(0, numel, chunk_numel)] or [(0, 0)]
 
 
 class SpanReducer:
@@ -41,134 +49,182 @@ class SpanReducer:
         out: torch.Tensor,
     ) -> None:
         """``out`` receives the coded average of the span (the caller's slice of its result)."""
-        self.codec_config = codec_config
-        self.group = group
-        self.rank = rank
+        self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
+        self.peer_id, self.out = peer_id, out
         self.numel = own.numel()
-        self.config = config
-        self.peer_id = peer_id
-        self.expected = set(group.members) - {peer_id}
+        self.chunks = chunk_bounds(self.numel, config.chunk_numel)
         self.sum = torch.mul(own, weight)
-        self.out = out
-        self._scratch: torch.Tensor | None = None
-        self.total_weight = weight
-        self.contributors = 1
-        self.used: set[str] = set()
+        senders = set(group.members) - {peer_id}
+        self.expected = senders
+        self.pending = [set(senders) for _ in self.chunks]  # whose chunk k we still wait for
+        self.weights = [weight for _ in self.chunks]
+        self.included: list[set[str]] = [{peer_id} for _ in self.chunks]
+        self.payloads: list[bytearray | None] = [None for _ in self.chunks]
+        self.ready = [asyncio.Event() for _ in self.chunks]
         self.excluded: dict[str, str] = {}
-        self.payload: bytearray | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._lock = asyncio.Lock()
-        self._done = asyncio.Event()
-        self._finalizing = False
-        self._all_in = asyncio.Event()
-        if not self.expected:
-            self._all_in.set()
+        self._sum_lock = threading.Lock()  # chunks of different senders are added from worker threads
+        self._finalizing: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: set[str] = set()
         self._answered: set[str] = set()
         self._all_answered = asyncio.Event()
+        self._closed = False
+        for index in range(len(self.chunks)):
+            self._maybe_finalize(index)
 
-    def _settle(self, sender: str, reason: str | None) -> None:
-        if reason is None:
-            self.used.add(sender)
-        else:
-            self.excluded.setdefault(sender, reason)
-            logger.warning(
-                "Round %s: excluded %s from span %d: %s", self.group.round_id, sender, self.rank, reason
-            )
-        if self.expected <= self.used | set(self.excluded):
-            self._all_in.set()
+    # --- bookkeeping ------------------------------------------------------------------------------------------
+
+    def _maybe_finalize(self, index: int) -> None:
+        if not self.pending[index] and index not in self._finalizing and not self._closed:
+            self._finalizing.add(index)
+            task = asyncio.ensure_future(self._finalize(index))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _finalize(self, index: int) -> None:
+        start, end = self.chunks[index]
+        self.payloads[index] = await asyncio.to_thread(self._average_chunk, index)
+        self.ready[index].set()
+
+    def _average_chunk(self, index: int) -> bytearray:
+        start, end = self.chunks[index]
+        with self._sum_lock:  # after this, _add refuses the chunk (it is in _finalizing)
+            average = self.sum[start:end].div_(self.weights[index])
+        payload = codec.encode(average, self.codec_config)
+        # Use the coded average ourselves too, so every member applies bit-identical values.
+        codec.decode(payload, peer_id=self.peer_id, out=self.out[start:end])
+        return payload
+
+    def exclude(self, sender: str, reason: str) -> None:
+        if sender in self.excluded or self._closed:
+            return
+        self.excluded[sender] = reason
+        logger.warning("Round %s: excluded %s from span %d: %s", self.group.round_id, sender, self.rank, reason)
+        for index, waiting in enumerate(self.pending):
+            waiting.discard(sender)
+            self._maybe_finalize(index)
 
     async def finish(self, timeout: float) -> None:
-        """Waits for every member's contribution (or the timeout), then averages and codes the span once."""
+        """Waits until every chunk is averaged; after ``timeout`` the members still missing are excluded."""
         try:
-            await asyncio.wait_for(self._all_in.wait(), timeout)
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in self.ready)), timeout)
         except asyncio.TimeoutError:
-            for member in self.expected - self.used - set(self.excluded):
-                self._settle(member, f"no contribution within {timeout:.1f}s")
-        async with self._lock:
-            self._finalizing = True
-            if self._answered >= self.used:
-                self._all_answered.set()
-            average = self.sum.div_(self.total_weight)
-            self.payload = await asyncio.to_thread(codec.encode, average, self.codec_config)
-            # Use the coded average ourselves too, so every member applies bit-identical values.
-            await asyncio.to_thread(codec.decode, self.payload, peer_id=self.peer_id, out=self.out)
-        self._done.set()
+            for sender in sorted(set().union(*self.pending)):
+                self.exclude(sender, f"contribution incomplete after {timeout:.1f}s")
+            await asyncio.gather(*(event.wait() for event in self.ready))
+
+    async def answered(self, timeout: float) -> None:
+        """Waits until every member still in the round has been sent all averages, so byte counts are final."""
+        if self._answered | set(self.excluded) >= self.expected:
+            return
+        try:
+            await asyncio.wait_for(self._all_answered.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.info("Round %s: not every member collected span %d", self.group.round_id, self.rank)
+
+    def close(self) -> None:
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for event in self.ready:
+            event.set()
+
+    # --- one sender's stream ----------------------------------------------------------------------------------
 
     async def serve(
-        self,
-        sender: str,
-        request: pb.ReduceRequest,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        self, sender: str, request: pb.ReduceRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self.bytes_received += frame_size(request.ByteSize())
         problem = self._check(sender, request)
         if problem is not None:
             code, message = problem
             if code == pb.BAD_REQUEST:  # a member that sends nonsense is not waited for
-                self._settle(sender, message)
-            await self._respond(writer, pb.ReduceResponse(code=code, message=message))
+                self.exclude(sender, message)
+            await self._send(writer, pb.ReduceResponse(code=code, message=message))
             return
-        data = await read_frame(reader, request.payload_bytes, sender, "contribution")
-        self.bytes_received += frame_size(len(data))
-        async with self._lock:
-            if self._finalizing:
-                await self._respond(
-                    writer, pb.ReduceResponse(code=pb.TIMED_OUT, message="the span was already averaged")
-                )
-                return
-            try:
-                await asyncio.to_thread(self._accumulate, data, sender, request.weight)
-            except CodecError as e:
-                self._settle(sender, str(e))
-                await self._respond(writer, pb.ReduceResponse(code=pb.BAD_PAYLOAD, message=str(e)))
-                return
-            self.total_weight += request.weight
-            self.contributors += 1
-            self._settle(sender, None)
-        await self._done.wait()
-        if self.payload is None:  # the round was abandoned (our side failed or shut down)
-            await self._respond(
-                writer, pb.ReduceResponse(code=pb.INTERNAL_ERROR, message="the reducer abandoned the round")
-            )
-            return
-        response = pb.ReduceResponse(
-            code=pb.OK,
-            payload_bytes=len(self.payload),
-            contributors=self.contributors,
-            total_weight=self.total_weight,
-        )
+        self._serving.add(sender)
+        answers = asyncio.ensure_future(self._answer(sender, writer))
         try:
-            await self._respond(writer, response, self.payload)
+            await self._receive(sender, request.weight, reader)
+        except (ProtocolViolation, CodecError, ConnectionError, OSError) as e:
+            self.exclude(sender, str(e))
+        await answers
+        # Let the sender close the stream: closing it from here could cut averages still in flight
+        # in p2pd's buffers on a slow link.
+        try:
+            await asyncio.wait_for(reader.read(1), self.config.join_timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+
+    async def _receive(self, sender: str, weight: float, reader: asyncio.StreamReader) -> None:
+        scratch = torch.empty(min(self.numel, self.config.chunk_numel), dtype=torch.float32)
+        adding: asyncio.Future[None] | None = None
+        for index, (start, end) in enumerate(self.chunks):
+            data = await read_frame(reader, max_payload_bytes(end - start), sender, f"chunk {index}")
+            self.bytes_received += frame_size(len(data))
+            if adding is not None:
+                await adding  # keep one chunk decoding while the next one arrives
+            if sender in self.excluded:
+                return
+            adding = asyncio.ensure_future(asyncio.to_thread(self._add, data, sender, weight, index, scratch))
+            adding.add_done_callback(lambda done, i=index: self._added(done, sender, i))
+        if adding is not None:
+            await adding
+
+    def _add(self, data: bytes, sender: str, weight: float, index: int, scratch: torch.Tensor) -> None:
+        start, end = self.chunks[index]
+        chunk = scratch[: end - start]
+        codec.decode(data, peer_id=sender, expected_shape=(end - start,), max_numel=end - start, out=chunk)
+        with self._sum_lock:  # sum, weight and membership change together, or not at all
+            if index in self._finalizing:
+                raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was averaged", peer_id=sender)
+            self.sum[start:end].add_(chunk, alpha=weight)
+            self.weights[index] += weight
+            self.included[index].add(sender)
+
+    def _added(self, done: asyncio.Future[None], sender: str, index: int) -> None:
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is not None:
+            self.exclude(sender, str(error))
+            return
+        self.pending[index].discard(sender)
+        self._maybe_finalize(index)
+
+    async def _answer(self, sender: str, writer: asyncio.StreamWriter) -> None:
+        try:
+            for index in range(len(self.chunks)):
+                await self.ready[index].wait()
+                payload = self.payloads[index]
+                if payload is None:  # the round was abandoned
+                    await self._send(writer, pb.ReduceResponse(code=pb.INTERNAL_ERROR, message="round abandoned"))
+                    return
+                response = pb.ReduceResponse(
+                    code=pb.OK, chunk_index=index, contributors=len(self.included[index]),
+                    total_weight=self.weights[index], included=sender in self.included[index],
+                )
+                await self._send(writer, response, payload)
+        except (ConnectionError, OSError) as e:
+            logger.info("Round %s: could not return span %d to %s: %s", self.group.round_id, self.rank, sender, e)
         finally:
             self._answered.add(sender)
-            if self._answered >= self.used:
+            if self._answered | set(self.excluded) >= self.expected:
                 self._all_answered.set()
 
-    def _accumulate(self, data: bytes, sender: str, weight: float) -> None:
-        """Decodes (validating everything) into a reused buffer, then adds; a bad payload adds nothing."""
-        if self._scratch is None:
-            self._scratch = torch.empty(self.numel, dtype=torch.float32)
-        codec.decode(data, peer_id=sender, expected_shape=(self.numel,), max_numel=self.numel, out=self._scratch)
-        self.sum.add_(self._scratch, alpha=weight)
-
-    async def _respond(
-        self, writer: asyncio.StreamWriter, response: pb.ReduceResponse, payload: bytearray | None = None
-    ) -> None:
-        # Count after each await: several senders are answered concurrently.
-        sent = await write_message(writer, response)
+    async def _send(self, writer: asyncio.StreamWriter, response: pb.ReduceResponse, payload: bytes | None = None) -> None:
+        sent = await write_message(writer, response)  # counted after the await: several senders run at once
         if payload is not None:
             sent += await write_frame(writer, payload)
         self.bytes_sent += sent
 
     def _check(self, sender: str, request: pb.ReduceRequest) -> tuple[int, str] | None:
-        if sender not in self.group.members:
+        if sender not in self.group.members or sender == self.peer_id:
             return pb.NOT_A_MEMBER, f"{sender} is not in group {self.group.round_id}"
-        if sender in self.used or sender in self.excluded:
+        if sender in self.excluded or sender in self._serving:
             return pb.DUPLICATE, "already contributed or excluded"
-        if self._finalizing or self._done.is_set():
-            return pb.TIMED_OUT, "the span was already averaged"
         if request.protocol_version != 1:
             return pb.BAD_REQUEST, f"protocol version {request.protocol_version} (this peer speaks 1)"
         if request.span_index != self.rank or request.span_numel != self.numel:
@@ -176,20 +232,8 @@ class SpanReducer:
                 f"span {request.span_index} of {request.span_numel} elements, expected span {self.rank} of "
                 f"{self.numel} (different model or group view?)"
             )
+        if request.chunk_numel != self.config.chunk_numel:
+            return pb.BAD_REQUEST, f"chunks of {request.chunk_numel}, this peer uses {self.config.chunk_numel}"
         if not (math.isfinite(request.weight) and 0 < request.weight <= MAX_WEIGHT):
             return pb.BAD_REQUEST, f"weight {request.weight} is not finite and in (0, {MAX_WEIGHT:g}]"
-        if request.payload_bytes > max_payload_bytes(self.numel):
-            return pb.BAD_REQUEST, f"{request.payload_bytes}-byte payload for a {self.numel}-element span"
         return None
-
-    async def answered(self, timeout: float) -> None:
-        """Waits until every used contribution got its average back, so the byte counts are complete."""
-        try:
-            await asyncio.wait_for(self._all_answered.wait(), timeout)
-        except asyncio.TimeoutError:
-            logger.info("Round %s: not every sender collected span %d", self.group.round_id, self.rank)
-
-    def close(self) -> None:
-        """Releases every waiting sender; those still waiting get INTERNAL_ERROR."""
-        self._done.set()
-        self._all_in.set()

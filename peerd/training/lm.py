@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from peerd.config import MoEConfig
 from peerd.errors import ConfigError
-from peerd.training.tasks import OPTIONS_FIELD, Task, derive_seed, parse_options, seeded_module
+from peerd.training.tasks import OPTIONS_FIELD, Task, TaskRuntime, derive_seed, parse_options, seeded_module
 
 __all__ = ["VOCAB", "ByteTransformer", "LMOptions", "LMTask", "build_lm", "dense_ffn", "stdlib_sources"]
 
@@ -51,14 +52,30 @@ class LMOptions(BaseModel):
     max_files: int = Field(default=300, ge=2, description="Standard-library files to use, at most.")
     val_files: int = Field(default=16, ge=1, description="Of those, files held out for validation.")
     val_batches: int = Field(default=8, ge=1, description="Fixed held-out batches in a validation pass.")
+    moe: MoEConfig | None = Field(
+        default=None,
+        description="Make the feed-forward of blocks moe.layers a remote mixture of experts served by peers "
+        "with an `experts:` section (hidden_dim = d_model); null: dense feed-forward everywhere.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LMOptions:
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        if self.moe is not None:
+            if any(not -self.n_layers <= layer < self.n_layers for layer in self.moe.layers):
+                raise ValueError(f"moe.layers {self.moe.layers} must index the {self.n_layers} blocks (negative "
+                                 "counts from the last)")
+            if len(set(self.moe_layers)) != len(self.moe.layers):
+                raise ValueError(f"moe.layers {self.moe.layers} names a block twice")
         if self.val_files >= self.max_files:
             raise ValueError(f"val_files ({self.val_files}) must be below max_files ({self.max_files})")
         return self
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE blocks, negative ones resolved."""
+        return [layer % self.n_layers for layer in self.moe.layers] if self.moe is not None else []
 
 
 def _init_linear(module: nn.Linear, std: float = INIT_STD) -> None:
@@ -178,6 +195,7 @@ class LMTask(Task):
         shard_index: int,
         num_shards: int,
         ffn_factory: FFNFactory = dense_ffn,
+        runtime: TaskRuntime | None = None,
     ) -> None:
         files = stdlib_sources(options.max_files)
         if len(files) <= options.val_files:
@@ -203,12 +221,7 @@ class LMTask(Task):
                 f"the {options.val_files} held-out files hold fewer bytes than one sample: raise val_files",
                 field=f"{OPTIONS_FIELD}.val_files",
             )
-        model = seeded_module(
-            derive_seed(seed, "model"),
-            lambda: ByteTransformer(
-                options.d_model, options.n_layers, options.n_heads, options.d_ff, options.seq_len, ffn_factory
-            ),
-        )
+        model = seeded_module(derive_seed(seed, "model"), lambda: _build_model(options, ffn_factory, runtime))
         super().__init__(model=model, batch_size=options.batch_size)
         self.options = options
         self.num_files = len(files)
@@ -223,17 +236,43 @@ class LMTask(Task):
             yield _windows(self.train_data, self.batch_size, self.options.seq_len, generator)
 
     def loss(self, model: nn.Module, batch: LMBatch) -> torch.Tensor:
+        """Cross entropy; while training an MoE variant, plus ``moe.aux_loss_weight`` times the MoE layers'
+        load-balancing losses (about 1 each when balanced), so the reported training loss includes them."""
         inputs, targets = batch
         logits = model(inputs)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        moe = self.options.moe
+        if moe is not None and model.training and moe.aux_loss_weight > 0:
+            from peerd.experts import RemoteMoE
+
+            aux = [m.last_aux_loss for m in model.modules() if isinstance(m, RemoteMoE)]
+            loss = loss + moe.aux_loss_weight * torch.stack(aux).sum()
+        return loss
 
     def validation_batches(self) -> list[LMBatch]:
         return self._validation
 
 
+def _build_model(options: LMOptions, ffn_factory: FFNFactory, runtime: TaskRuntime | None) -> ByteTransformer:
+    model = ByteTransformer(
+        options.d_model, options.n_layers, options.n_heads, options.d_ff, options.seq_len, ffn_factory
+    )
+    if options.moe is not None:
+        from peerd.experts import RemoteMoE
+
+        client = runtime.experts if runtime is not None else None
+        for layer in options.moe_layers:
+            block = model.blocks[layer]
+            assert isinstance(block, Block)
+            block.ffn = RemoteMoE(options.d_model, options.moe.uids_for(layer), options.moe, client,
+                                  name=options.moe.prefix_for(layer).rstrip("."))
+    return model
+
+
 def build_lm(
-    options: Mapping[str, Any], seed: int, shard_index: int, num_shards: int
+    options: Mapping[str, Any], seed: int, shard_index: int, num_shards: int, runtime: TaskRuntime | None = None
 ) -> tuple[LMTask, dict[str, Any]]:
-    """The task and its options after defaults (for the fingerprint)."""
+    """The task and its options after defaults (for the fingerprint). ``runtime`` lends the remote MoE layers
+    of the ``moe`` variant their expert client."""
     parsed = parse_options(LMOptions, options)
-    return LMTask(parsed, seed, shard_index, num_shards), parsed.model_dump()
+    return LMTask(parsed, seed, shard_index, num_shards, runtime=runtime), parsed.model_dump()

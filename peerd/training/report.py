@@ -1,4 +1,8 @@
-"""What a trainer reports to logs, `peerd status` and metrics: a plain, read-only-by-convention snapshot."""
+"""What a trainer reports to logs, `peerd status` and metrics: a plain, read-only-by-convention snapshot.
+
+Besides the current values it keeps bounded history for the status page's curves: one point per global
+step (the mean of that step's micro-batch losses), one per validation, and the last averaging rounds.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peerd.averaging.allreduce import RoundReport
+from peerd.metrics import ROUND_DURATION_BUCKETS, Distribution
 
 LOSS_HISTORY = 2000
+CURVE_POINTS = 1000  # per-step points kept for the loss curves
+ROUND_HISTORY = 20
 
 
 @dataclass
@@ -32,19 +39,35 @@ class TrainingReport:
     last_round: dict[str, Any] | None = None
     foreign_peers: dict[str, str] = field(default_factory=dict)
     losses: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=LOSS_HISTORY))
+    curve: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=CURVE_POINTS))
+    validations: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=CURVE_POINTS))
+    rounds: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=ROUND_HISTORY))
+    round_durations: Distribution = field(default_factory=lambda: Distribution(ROUND_DURATION_BUCKETS))
+    # kind -> payload bytes; gradients from the start, so its series exists (at 0) before the first round
+    traffic: dict[str, dict[str, int]] = field(default_factory=lambda: {"gradients": {"sent": 0, "received": 0}})
     _window: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=50))
+    _open_step: tuple[int, float, int, float] | None = None  # step, loss sum, micro-batches, last time
 
     def record_loss(self, loss: float, samples: int, seconds: float) -> None:
+        current = time.time()
         self.loss = loss if self.loss is None else 0.95 * self.loss + 0.05 * loss
-        self.losses.append((time.time(), self.step, loss))
+        self.losses.append((current, self.step, loss))
+        if self._open_step is not None and self._open_step[0] != self.step:
+            self.curve.append(self._curve_point(self._open_step))
+            self._open_step = None
+        step, total, count, _ = self._open_step or (self.step, 0.0, 0, current)
+        self._open_step = (step, total + loss, count + 1, current)
         self._window.append((seconds, samples))
         busy = sum(s for s, _ in self._window)
         self.samples_per_second = sum(n for _, n in self._window) / busy if busy > 0 else 0.0
+        self._note_validation()
 
     def record_round(self, report: RoundReport) -> None:
         self.rounds_ok += 1
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
+        self.record_traffic("gradients", report.bytes_sent, report.bytes_received)
+        self.round_durations.observe(report.duration)
         self.last_round = {
             "step": self.step,
             "group_size": report.group_size,
@@ -53,6 +76,40 @@ class TrainingReport:
             "bytes_received": report.bytes_received,
             "codec_error": report.codec_error,
             "excluded": dict(report.excluded),
+        }
+        self.rounds.append({"time": round(time.time(), 3), **self.last_round})
+        self._note_validation()
+
+    def record_traffic(self, kind: str, sent: int, received: int) -> None:
+        """Adds payload bytes exchanged with peers under ``kind`` (gradients, state, ...) for metrics."""
+        entry = self.traffic.setdefault(kind, {"sent": 0, "received": 0})
+        entry["sent"] += sent
+        entry["received"] += received
+
+    def _note_validation(self) -> None:
+        # The trainer assigns validation_loss and validation_step directly (no await in between), so a new
+        # validation shows up as a new step here; picking it up lazily keeps the trainer free of history code.
+        if self.validation_loss is None or self.validation_step is None:
+            return
+        if not self.validations or self.validations[-1][1] != self.validation_step:
+            self.validations.append((time.time(), self.validation_step, self.validation_loss))
+
+    @staticmethod
+    def _curve_point(open_step: tuple[int, float, int, float]) -> tuple[float, int, float]:
+        step, total, count, last = open_step
+        return last, step, total / count
+
+    def history(self, points: int = CURVE_POINTS) -> dict[str, Any]:
+        """The last ``points`` per-step losses (the current step's running mean last) and validation losses,
+        each as ``[unix time, step, loss]``, and the last averaging rounds, oldest first."""
+        self._note_validation()
+        curve = list(self.curve)
+        if self._open_step is not None:
+            curve.append(self._curve_point(self._open_step))
+        return {
+            "loss": [[round(t, 3), step, loss] for t, step, loss in curve[-points:]],
+            "validation_loss": [[round(t, 3), step, loss] for t, step, loss in list(self.validations)[-points:]],
+            "rounds": list(self.rounds),
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -74,4 +131,6 @@ class TrainingReport:
             "bytes_received": self.bytes_received,
             "last_round": self.last_round,
             "foreign_peers": self.foreign_peers,
+            "traffic": {kind: dict(entry) for kind, entry in self.traffic.items()},
+            "round_durations": self.round_durations.as_dict(),
         }

@@ -56,13 +56,17 @@ import importlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 from pydantic import BaseModel, ValidationError
 
 from peerd.config import TaskConfig
 from peerd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from peerd.experts import ExpertClient
 
 __all__ = [
     "BUILTIN_TASKS",
@@ -73,6 +77,7 @@ __all__ = [
     "parse_options",
     "seeded_module",
     "shard_for_peer",
+    "TaskRuntime",
 ]
 
 Batch: TypeAlias = Any
@@ -186,7 +191,15 @@ def shard_for_peer(config: TaskConfig, peer_id: str) -> int:
     return int.from_bytes(digest[:8], "big") % config.num_shards
 
 
-def build_task(config: TaskConfig, shard_index: int) -> Task:
+@dataclass(frozen=True)
+class TaskRuntime:
+    """What a running daemon lends the models it builds. ``experts``: the swarm's expert client, for models
+    with remote mixture-of-experts layers (None outside a daemon: such layers then fail when called)."""
+
+    experts: ExpertClient | None = None
+
+
+def build_task(config: TaskConfig, shard_index: int, runtime: TaskRuntime | None = None) -> Task:
     """Builds the task named by ``config`` with this peer's ``shard_index`` and stamps its fingerprint."""
     if not 0 <= shard_index < config.num_shards:
         raise ConfigError(
@@ -203,7 +216,7 @@ def build_task(config: TaskConfig, shard_index: int) -> Task:
     elif config.name == "lm":
         from peerd.training.lm import build_lm
 
-        task, options = build_lm(config.options, config.seed, shard_index, config.num_shards)
+        task, options = build_lm(config.options, config.seed, shard_index, config.num_shards, runtime)
     else:
         raise ConfigError(
             f"unknown task {config.name!r}: use one of {', '.join(BUILTIN_TASKS)} or "

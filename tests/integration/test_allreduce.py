@@ -141,16 +141,16 @@ def test_bad_contributions_are_excluded_and_named(fault: str) -> None:
         honest = [r for r in reducers if r.peer_id != evil_id]
         spans = split_spans(numel, 3, CONFIG.codec.block_size)
 
-        async def attack(target: str) -> int:
+        async def attack(target: str) -> tuple[int, bool]:
+            """Sends one bad contribution; returns the first response's code and whether it was included."""
             index = members.index(target)
             span_numel = spans[index][1] - spans[index][0]
             payload = codec.encode(torch.ones(span_numel), CONFIG.codec)
-            weight, announced = 1.0, span_numel
+            weight = 1.0
             if fault == "nan":
                 payload = nan_payload(span_numel)
             elif fault == "wrong_shape":
                 payload = codec.encode(torch.ones(span_numel + 64), CONFIG.codec)
-                announced = span_numel
             elif fault == "oversized":
                 payload = bytes(10 * span_numel)
             elif fault == "bad_weight":
@@ -158,11 +158,11 @@ def test_bad_contributions_are_excluded_and_named(fault: str) -> None:
             _, reader, writer = await evil_p2p.call_binary_stream_handler(PeerID.from_base58(target), HANDLER_NAME)
             try:
                 await write_message(writer, pb.ReduceRequest(
-                    protocol_version=1, round_id="t4", span_index=index, span_numel=announced, weight=weight,
-                    payload_bytes=len(payload)))
-                await write_frame(writer, payload)
+                    protocol_version=1, round_id="t4", span_index=index, span_numel=span_numel, weight=weight,
+                    chunk_numel=CONFIG.chunk_numel))
+                await write_frame(writer, payload)  # the span is smaller than one chunk
                 response = await read_message(reader, pb.ReduceResponse, target)
-                return response.code
+                return response.code, response.included
             finally:
                 writer.close()
 
@@ -171,8 +171,9 @@ def test_bad_contributions_are_excluded_and_named(fault: str) -> None:
             *[r.all_reduce(Group("t4", members), x, 1.0) for r, x in zip(honest, xs)],
             *[attack(r.peer_id) for r in honest],
         )
-        codes = results[2:]
-        assert all(code in (pb.BAD_PAYLOAD, pb.BAD_REQUEST) for code in codes), codes
+        for code, included in results[2:]:
+            # refused outright, or answered with the honest members' average that leaves it out
+            assert code == pb.BAD_REQUEST or (code == pb.OK and not included), (code, included)
         for result, report in results[:2]:
             assert evil_id in report.excluded
             assert torch.isfinite(result).all()

@@ -17,7 +17,9 @@ from peerd.errors import CodecError, ProtocolViolation
 PEER = "12D3KooWTestPeer"
 BLOCK = 128
 CONFIG = CodecConfig(block_size=BLOCK)
-INT8 = CodecConfig(block_size=BLOCK, min_compress_numel=0)  # forces the blockwise scheme even for tiny tensors
+INT8 = CodecConfig(
+    block_size=BLOCK, min_compress_numel=0
+)  # forces the blockwise scheme even for tiny tensors
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Scales are rounded up to bf16 (8 significant bits), which widens the quantization step by at most 2**-7.
 SCALE_SLACK = 1 + 2.0**-7
@@ -48,7 +50,7 @@ def check_bound(x: torch.Tensor, y: torch.Tensor, payload: bytes | bytearray, bl
         absmax = padded.view(-1, block).abs().amax(1).repeat_interleave(block)[:n]
     else:
         absmax = xf.abs().max().expand(n)
-    # A narrow output dtype adds its own rounding of the decoded value; 2**-126 covers scales clamped at the floor.
+    # A narrow output dtype adds its own rounding of the decoded value; 2**-126 covers scales at the floor.
     out_rounding = torch.finfo(x.dtype).eps if x.dtype != torch.float32 else 0.0
     bound = absmax / 127 * 0.5 * SCALE_SLACK + absmax * out_rounding + 2.0**-126
     excess = (xf - yf).abs() - bound
@@ -56,7 +58,9 @@ def check_bound(x: torch.Tensor, y: torch.Tensor, payload: bytes | bytearray, bl
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numel", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 4095, 4096, 4097, 100_003, (1 << 20) + 17])
+@pytest.mark.parametrize(
+    "numel", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 4095, 4096, 4097, 100_003, (1 << 20) + 17]
+)
 def test_roundtrip_error_bound(numel: int, dtype: torch.dtype) -> None:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
     for config in (CONFIG, INT8):
@@ -86,6 +90,7 @@ def test_block_sizes_and_partial_last_block(block: int) -> None:
         lambda: torch.randn(1, 5000, 1),
         lambda: torch.randn(4096).expand(3, 4096),  # stride 0
         lambda: torch.randn(0, 7),
+        lambda: torch.tensor(3.5),  # 0-d
     ],
 )
 def test_shapes_and_non_contiguous_input(make: Callable[[], torch.Tensor], dtype: torch.dtype) -> None:
@@ -188,11 +193,12 @@ def test_wire_header_layout() -> None:
     assert HEADER.size == 24 and struct.unpack_from("<2Q", payload, 24) == (1, 3)
     (scale,) = struct.unpack("<f", b"\0\0" + bytes(payload[40:42]))  # bf16 = high half of an fp32
     assert 2 / 127 <= scale <= 2 / 127 * SCALE_SLACK
-    assert list(struct.unpack_from("<3b", payload, 42)) == [round(1 / scale), round(-2 / scale), round(0.5 / scale)]
+    codes = list(struct.unpack_from("<3b", payload, 42))
+    assert codes == [round(1 / scale), round(-2 / scale), round(0.5 / scale)]
     assert len(payload) == 45
 
 
-# ---- malformed payloads -------------------------------------------------------------------------------------
+# ---- malformed payloads --------------------------------------------------------------------------------
 
 
 def int8_payload(numel: int = 3 * BLOCK + 5) -> bytearray:
@@ -201,6 +207,10 @@ def int8_payload(numel: int = 3 * BLOCK + 5) -> bytearray:
 
 def fp16_payload() -> bytearray:
     return encode(torch.randn(3, 5), CONFIG)
+
+
+def raw_payload() -> bytearray:
+    return encode(torch.full((4,), 1e6), CONFIG)  # fp16 would overflow: sent as raw fp32
 
 
 def patch(payload: bytearray, offset: int, fmt: str, *values: object) -> bytearray:
@@ -241,7 +251,7 @@ MALFORMED: dict[str, tuple[Callable[[], bytes | bytearray], str]] = {
     "code -128 in tail": (lambda: patch(int8_payload(), CODES_AT + 3 * BLOCK + 4, "<b", -128), "-128"),
     "nan in fp16 body": (lambda: patch(fp16_payload(), HEADER.size + 16 + 6, "<e", math.nan), "NaN"),
     "inf in fp16 body": (lambda: patch(fp16_payload(), HEADER.size + 16, "<e", math.inf), "NaN or Inf"),
-    "inf in raw body": (lambda: patch(encode(torch.full((4,), 1e6), CONFIG), HEADER.size + 8, "<f", math.inf), "Inf"),
+    "inf in raw body": (lambda: patch(raw_payload(), HEADER.size + 8, "<f", math.inf), "Inf"),
 }
 
 
@@ -250,7 +260,7 @@ def test_malformed_payload_is_rejected_naming_the_peer(case: str) -> None:
     make, reason = MALFORMED[case]
     with pytest.raises(CodecError, match=reason) as excinfo:
         decode(bytes(make()), peer_id=PEER)
-    assert PEER in str(excinfo.value) and excinfo.value.peer_id == PEER
+    assert PEER in str(excinfo.value) and excinfo.value.context["peer_id"] == PEER
     assert isinstance(excinfo.value, ProtocolViolation)
 
 
@@ -290,13 +300,25 @@ def test_decode_into_out() -> None:
         decode(payload, peer_id=PEER, out=torch.empty(100, 70, dtype=torch.bfloat16).t())
 
 
+@pytest.mark.parametrize("case", ["code -128", "scale nan", "nan in fp16 body"])
+def test_rejected_payload_leaves_out_untouched(case: str) -> None:
+    payload = MALFORMED[case][0]()
+    _, _, _, dtype, ndim, _, _, _ = HEADER.unpack_from(payload)
+    shape = struct.unpack_from(f"<{ndim}Q", payload, HEADER.size)
+    out = torch.full(shape, 42.0)
+    with pytest.raises(CodecError):
+        decode(payload, peer_id=PEER, out=out)
+    assert dtype == 0 and bool((out == 42.0).all())
+
+
 def test_scale_constants() -> None:
     assert math.isfinite(float(torch.tensor(MAX_SCALE) * 127))
-    assert torch.tensor(MAX_SCALE).bfloat16().item() == MAX_SCALE and torch.tensor(MIN_SCALE).bfloat16().item() == MIN_SCALE
+    for value in (MAX_SCALE, MIN_SCALE):
+        assert torch.tensor(value).bfloat16().item() == value  # exactly representable on the wire
     assert VERSION == 1
 
 
-# ---- error feedback -----------------------------------------------------------------------------------------
+# ---- error feedback ------------------------------------------------------------------------------------
 
 
 def test_error_feedback_drives_accumulated_error_to_zero() -> None:
@@ -325,7 +347,8 @@ def test_error_feedback_residual_is_input_minus_decoded(dtype: torch.dtype) -> N
     assert residual is not None and torch.equal(residual, x - decode(payload, peer_id=PEER))
     compensated = feedback.compensate("k", x)
     payload = encode_with_feedback(feedback, "k", x, CONFIG)
-    assert torch.equal(feedback.residual("k"), compensated - decode(payload, peer_id=PEER))
+    assert residual is feedback.residual("k")  # updated in place, no new allocation
+    assert torch.equal(residual, compensated - decode(payload, peer_id=PEER))
 
 
 def test_error_feedback_shape_mismatch_and_reset() -> None:

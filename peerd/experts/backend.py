@@ -1,0 +1,118 @@
+"""One served expert: its module, its optimizer, and the batched forward/backward computations.
+
+Everything here runs on the server's compute threads, never on the event loop. A backward batch recomputes
+the forward pass on the inputs the callers sent back (the server keeps no per-call activations), sums the
+parameter gradients of every call in the batch and applies one optimizer step. Non-finite outputs or
+gradients raise :class:`ExpertFailure` before any parameter changes, so a bad batch never corrupts the expert.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from peerd.config import ExpertsConfig
+from peerd.experts.stats import CallStats
+
+__all__ = ["ExpertBackend", "ExpertFailure"]
+
+
+class ExpertFailure(Exception):
+    """The expert itself failed on a batch (non-finite output or gradient, or an error in its module)."""
+
+
+def _optimizer(config: ExpertsConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+    # The fused kernels are 2-4x faster than the per-tensor loop on CPU, and the step is on every backward call.
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return cls(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
+
+
+class ExpertBackend:
+    def __init__(self, uid: str, module: nn.Module, config: ExpertsConfig) -> None:
+        self.uid = uid
+        self.module = module
+        self.hidden_dim = config.hidden_dim
+        self.max_grad_norm = config.max_grad_norm
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = _optimizer(config, self.params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.updates = 0
+        self.skipped_updates = 0
+        self.batches = {"forward": 0, "backward": 0}
+        self.batched_tokens = {"forward": 0, "backward": 0}
+        self.stats = {"forward": CallStats(), "backward": CallStats()}
+        # a copy of the initial parameters, so `peerd status` can show how far the expert has moved (learned)
+        self._initial = [p.detach().clone() for p in self.params]
+        # A forward batch must not see parameters half-way through an optimizer step.
+        self._lock = threading.Lock()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        with self._lock, torch.no_grad():
+            outputs = self._run(inputs)
+        self.batches["forward"] += 1
+        self.batched_tokens["forward"] += inputs.shape[0]
+        return outputs
+
+    def backward(
+        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, deliver: Callable[[torch.Tensor], None]
+    ) -> None:
+        """Passes the gradients w.r.t. ``inputs`` to ``deliver``, then applies one optimizer step with the
+        parameter gradients: the callers get their answer without waiting for the step."""
+        with self._lock:
+            self.optimizer.zero_grad(set_to_none=True)
+            x = inputs.detach().requires_grad_(True)
+            with torch.enable_grad():
+                outputs = self._run(x)
+                outputs.backward(grad_outputs)
+            grad_inputs = x.grad
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grad_inputs is None or not bool(torch.isfinite(grad_inputs).all()) or not all(
+                bool(torch.isfinite(g).all()) for g in grads
+            ):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.skipped_updates += 1
+                raise ExpertFailure(f"expert {self.uid} produced non-finite gradients; update skipped")
+            self.batches["backward"] += 1
+            self.batched_tokens["backward"] += inputs.shape[0]
+            deliver(grad_inputs)
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.updates += 1
+
+    def _run(self, inputs: torch.Tensor) -> torch.Tensor:
+        try:
+            outputs = self.module(inputs)
+        except Exception as e:  # a custom module's bug must not take the server down
+            raise ExpertFailure(f"expert {self.uid} raised {type(e).__name__}: {e}") from e
+        if not isinstance(outputs, torch.Tensor) or outputs.shape != inputs.shape:
+            raise ExpertFailure(f"expert {self.uid} returned a wrong shape")
+        if not bool(torch.isfinite(outputs).all()):
+            raise ExpertFailure(f"expert {self.uid} produced NaN/Inf outputs")
+        return outputs
+
+    def status(self) -> dict[str, Any]:
+        # Read while a compute thread may be updating: the numbers are for people, a torn read is harmless.
+        with torch.no_grad():
+            norm = math.sqrt(sum(float(p.pow(2).sum()) for p in self.params))
+            moved = math.sqrt(sum(float((p - p0).pow(2).sum()) for p, p0 in zip(self.params, self._initial)))
+        batches = self.batches
+        return {
+            "parameters": self.numel,
+            "updates": self.updates,
+            "skipped_updates": self.skipped_updates,
+            "param_norm": round(norm, 6),
+            "distance_from_init": round(moved, 6),
+            "forward": {**self.stats["forward"].as_dict(), "batches": batches["forward"],
+                        "mean_batch_tokens": round(self.batched_tokens["forward"] / max(1, batches["forward"]), 2)},
+            "backward": {**self.stats["backward"].as_dict(), "batches": batches["backward"],
+                         "mean_batch_tokens": round(self.batched_tokens["backward"] / max(1, batches["backward"]), 2)},
+        }

@@ -1,0 +1,182 @@
+"""Server-side batching: concurrent calls to the same (expert, pass) are computed as one batch.
+
+Calls queue per (expert, pass). The first call of an idle queue schedules a batch on the server's compute
+threads (after ``experts.batch_wait`` seconds, 0 by default); when the batch starts it takes every call that
+queued up meanwhile, up to ``experts.max_request_tokens`` tokens, so the busier the expert the larger its
+batches. Payloads are decoded and validated on the compute thread, each call on its own: one caller's
+malformed tensor fails only that call. Results go back to the event loop through futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+
+from peerd.averaging import codec
+from peerd.config import CodecConfig
+from peerd.errors import CodecError
+from peerd.experts.backend import ExpertBackend, ExpertFailure
+from peerd.proto import peerd_experts_pb2 as pb
+
+__all__ = ["BatchQueue", "CallResult", "PendingCall", "wire_codec"]
+
+logger = logging.getLogger(__name__)
+
+# fp16 for any tensor size (the codec falls back to raw where fp16 would overflow or lose small values).
+_FP16 = CodecConfig(min_compress_numel=2**62, error_feedback=False)
+_RAW = CodecConfig(lossless=True, error_feedback=False)
+
+
+def wire_codec(lossless: bool) -> CodecConfig:
+    return _RAW if lossless else _FP16
+
+
+@dataclass(frozen=True)
+class CallResult:
+    code: int
+    message: str = ""
+    payload: bytes | bytearray = b""
+    batch_tokens: int = 0
+
+
+@dataclass
+class PendingCall:
+    peer: str
+    num_tokens: int
+    payloads: list[bytes]
+    lossless: bool
+    future: asyncio.Future[CallResult]
+    received: float
+
+
+class BatchQueue:
+    def __init__(
+        self,
+        backend: ExpertBackend,
+        phase: str,
+        executor: Executor,
+        loop: asyncio.AbstractEventLoop,
+        max_batch_tokens: int,
+        max_queued_tokens: int,
+        wait: float,
+    ) -> None:
+        self.backend = backend
+        self.phase = phase
+        self._executor = executor
+        self._loop = loop
+        self._max_batch = max_batch_tokens
+        self._max_queued = max_queued_tokens
+        self._wait = wait
+        self._calls: list[PendingCall] = []
+        self._queued_tokens = 0
+        self._scheduled = False
+        self._closed = False
+        self._mutex = threading.Lock()  # the loop thread appends, a compute thread takes
+
+    def submit(self, call: PendingCall) -> bool:
+        """Queues ``call`` (event loop thread); False if the expert already has too many tokens waiting."""
+        with self._mutex:
+            if self._closed or self._queued_tokens + call.num_tokens > self._max_queued:
+                return False
+            self._calls.append(call)
+            self._queued_tokens += call.num_tokens
+            if self._scheduled:
+                return True
+            self._scheduled = True
+        if self._wait > 0:
+            self._loop.call_later(self._wait, self._launch)
+        else:
+            self._launch()
+        return True
+
+    def _launch(self) -> None:
+        try:
+            self._executor.submit(self._run)
+        except RuntimeError:  # executor shut down: the server is stopping
+            self.close("the expert host is shutting down")
+
+    def close(self, reason: str) -> None:
+        with self._mutex:
+            self._closed = True
+            calls, self._calls, self._queued_tokens = self._calls, [], 0
+        for call in calls:
+            self._resolve(call, CallResult(pb.EXPERT_SHUTTING_DOWN, reason))
+
+    def _take(self) -> list[PendingCall]:
+        with self._mutex:
+            taken, tokens = [], 0
+            while self._calls and (not taken or tokens + self._calls[0].num_tokens <= self._max_batch):
+                call = self._calls.pop(0)
+                taken.append(call)
+                tokens += call.num_tokens
+            self._queued_tokens -= tokens
+            return taken
+
+    def _run(self) -> None:
+        try:
+            self._process(self._take())
+        except Exception:  # never leave callers hanging on an unexpected bug
+            logger.exception("Expert %s %s batch failed unexpectedly", self.backend.uid, self.phase)
+        with self._mutex:
+            more = bool(self._calls) and not self._closed
+            self._scheduled = more
+        if more:  # requeue behind other experts' batches instead of looping here, so they are served fairly
+            self._launch()
+
+    def _process(self, calls: list[PendingCall]) -> None:
+        good: list[tuple[PendingCall, list[torch.Tensor]]] = []
+        for call in calls:
+            shape = (call.num_tokens, self.backend.hidden_dim)
+            try:
+                tensors = [codec.decode(p, peer_id=call.peer, expected_shape=shape).float() for p in call.payloads]
+            except CodecError as e:
+                self.backend.stats[self.phase].failed(str(e))
+                self._resolve(call, CallResult(pb.EXPERT_BAD_PAYLOAD, str(e)))
+                continue
+            good.append((call, tensors))
+        if not good:
+            return
+        inputs = torch.cat([tensors[0] for _, tensors in good])
+        tokens = inputs.shape[0]
+        delivered = False
+
+        def deliver(results: torch.Tensor) -> None:
+            nonlocal delivered
+            delivered = True
+            for (call, _), part in zip(good, results.split([c.num_tokens for c, _ in good]), strict=True):
+                try:
+                    payload = codec.encode(part, wire_codec(call.lossless))
+                except ValueError as e:
+                    self._resolve(call, CallResult(pb.EXPERT_INTERNAL_ERROR, str(e), batch_tokens=tokens))
+                    continue
+                self.backend.stats[self.phase].ok(call.num_tokens, time.monotonic() - call.received)
+                self._resolve(call, CallResult(pb.EXPERT_OK, payload=payload, batch_tokens=tokens))
+
+        try:
+            if self.phase == "forward":
+                deliver(self.backend.forward(inputs))
+            else:
+                self.backend.backward(inputs, torch.cat([tensors[1] for _, tensors in good]), deliver)
+        except ExpertFailure as e:
+            if delivered:  # the callers have their answer; only the update after it failed
+                logger.warning("%s", e)
+                return
+            for call, _ in good:
+                self.backend.stats[self.phase].failed(str(e))
+                self._resolve(call, CallResult(pb.EXPERT_INTERNAL_ERROR, str(e), batch_tokens=tokens))
+
+    def _resolve(self, call: PendingCall, result: CallResult) -> None:
+        def deliver() -> None:
+            if not call.future.done():  # the caller may have given up (stream closed)
+                call.future.set_result(result)
+
+        try:
+            self._loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass

@@ -1,0 +1,246 @@
+"""The caller's side of remote experts: who is alive (DHT records), one batched call per expert and pass.
+
+:class:`ExpertClient` lives on the daemon's event loop. Model code runs on worker threads and reaches it
+through :meth:`ExpertClient.run`. It re-reads ``<run_name>.experts`` every ``refresh_period`` seconds while a
+MoE layer tracks experts; an expert is routable when its record is unexpired, its width matches and it is not
+backing off. A call that fails or times out makes its expert back off for ``retry_after`` seconds, doubling
+per consecutive failure up to :data:`MAX_BACKOFF`; a success, or a new announcement from a restarted host
+(another ``started_at``), makes it routable again at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from hivemind.p2p import P2P
+
+from peerd.averaging import codec
+from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
+from peerd.errors import PeerdError, PeerUnreachable, ProtocolViolation, RPCTimeout
+from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert, experts_key
+from peerd.experts.server import HANDLER_NAME, max_payload_bytes
+from peerd.experts.stats import CallStats
+from peerd.experts.streams import StreamPool
+from peerd.proto import peerd_experts_pb2 as pb
+from peerd.swarm.node import SwarmNode, now
+
+__all__ = ["ExpertClient", "LayerStats"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF = 60.0
+T = TypeVar("T")
+
+
+@dataclass
+class _Backoff:
+    until: float  # time.monotonic()
+    delay: float
+    started_at: float  # of the record that failed; a new announcement clears the backoff
+
+
+@dataclass
+class LayerStats:
+    """What one MoE layer saw: tokens routed, tokens that fell back to a zero output, partial answers."""
+
+    passes: int = 0
+    tokens: int = 0
+    fallback_tokens: int = 0  # no expert answered: zero output, the residual passes the token through
+    partial_tokens: int = 0  # fewer than k experts answered; gates renormalized over those that did
+    no_expert_alive: int = 0  # passes in which no expert of the layer was routable at all
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passes": self.passes, "tokens": self.tokens, "fallback_tokens": self.fallback_tokens,
+                "partial_tokens": self.partial_tokens, "no_expert_alive": self.no_expert_alive, **self.extra}
+
+
+class ExpertClient:
+    def __init__(self, swarm: SwarmNode, p2p: P2P, run_name: str) -> None:
+        self.swarm = swarm
+        self.p2p = p2p
+        self.key = experts_key(run_name)
+        self._loop = asyncio.get_running_loop()
+        self._reader = ExpertReader()
+        self._directory: dict[str, SeenExpert] = {}
+        self._backoff: dict[str, _Backoff] = {}
+        self._retry_after = 2.0
+        self._refresh_period = math.inf
+        self._refresher: asyncio.Task[None] | None = None
+        self._found = threading.Event()
+        self._waited_for_experts = False
+        self._streams = StreamPool(p2p, HANDLER_NAME)
+        self.stats: dict[str, dict[str, CallStats]] = {}
+        self.layers: dict[str, LayerStats] = {}
+
+    # --- discovery --------------------------------------------------------------------------------------------
+
+    def track(self, name: str, refresh_period: float, retry_after: float) -> LayerStats:
+        """Registers a MoE layer (any thread); starts the periodic refresh of the expert records."""
+        self._refresh_period = min(self._refresh_period, refresh_period)
+        self._retry_after = retry_after
+        stats = self.layers.setdefault(name, LayerStats())
+        self._loop.call_soon_threadsafe(self._ensure_refresher)
+        return stats
+
+    def _ensure_refresher(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.ensure_future(self._refresh_periodically())
+
+    async def _refresh_periodically(self) -> None:
+        while True:
+            await self.refresh()
+            # the refresh cadence, not a synchronisation wait; quicker while no expert is known (just joined)
+            await asyncio.sleep(self._refresh_period if self._directory else min(self._refresh_period, 0.2))
+
+    async def refresh(self) -> None:
+        try:
+            seen = self._reader.parse(await self.swarm.read_entries(self.key))
+        except PeerdError as e:
+            logger.warning("Could not read expert records: %s", e)
+            return
+        for uid, backoff in list(self._backoff.items()):
+            if uid in seen and seen[uid].record.started_at != backoff.started_at:
+                del self._backoff[uid]  # the host restarted: give it a chance at once
+        self._directory = seen  # replaced whole: worker threads read it without a lock
+        if seen:
+            self._found.set()
+
+    def wait_for_experts(self, timeout: float) -> bool:
+        """Blocks a worker thread until some expert record was read, at most ``timeout`` seconds in all: a
+        model's first passes right after joining should not fall back for lack of a first DHT answer, but a
+        swarm without experts must not stall every pass."""
+        if self._found.is_set() or self._waited_for_experts:
+            return self._found.is_set()
+        found = self._found.wait(timeout)
+        self._waited_for_experts = True
+        if not found:
+            logger.warning("No expert records found in the DHT within %.0fs; MoE layers output zeros until "
+                           "experts are announced", timeout)
+        return found
+
+    def routable(self, uids: Iterable[str], hidden_dim: int) -> list[bool]:
+        """Per uid: announced, unexpired, of width ``hidden_dim`` and not backing off. Any thread."""
+        directory, current, clock = self._directory, now(), time.monotonic()
+        result = []
+        for uid in uids:
+            seen = directory.get(uid)
+            backoff = self._backoff.get(uid)
+            result.append(seen is not None and seen.expires_at >= current and seen.record.hidden_dim == hidden_dim
+                          and (backoff is None or backoff.until <= clock))
+        return result
+
+    # --- calls ------------------------------------------------------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Runs ``coro`` on the daemon's loop from a worker thread and waits at most ``timeout`` seconds."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            coro.close()
+            raise RuntimeError("remote experts must be called from a worker thread, not the event loop thread")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def call(self, uid: str, phase: int, payloads: list[bytearray], num_tokens: int, hidden_dim: int,
+                   lossless: bool, timeout: float) -> torch.Tensor:
+        """One call: the [num_tokens, hidden_dim] result, or raises (and the expert backs off)."""
+        name = "forward" if phase == pb.EXPERT_FORWARD else "backward"
+        stats = self.stats.setdefault(uid, {"forward": CallStats(), "backward": CallStats()})[name]
+        seen = self._directory.get(uid)
+        if seen is None:
+            raise PeerUnreachable(f"expert {uid} is not announced in the DHT")
+        started = time.monotonic()
+        try:
+            result = await asyncio.wait_for(
+                self._exchange(seen.record.peer_id, uid, phase, payloads, num_tokens, hidden_dim, lossless), timeout
+            )
+        except asyncio.TimeoutError:
+            stats.failed(f"timed out after {timeout}s", timed_out=True)
+            self._fail(uid, seen, f"timed out after {timeout}s")
+            raise RPCTimeout(f"expert {uid} at {seen.record.peer_id} timed out", peer_id=seen.record.peer_id) from None
+        except Exception as e:  # whatever went wrong, the layer goes on without this expert
+            stats.failed(f"{type(e).__name__}: {e}")
+            self._fail(uid, seen, str(e))
+            raise
+        stats.ok(num_tokens, time.monotonic() - started)
+        self._backoff.pop(uid, None)
+        return result
+
+    def _fail(self, uid: str, seen: SeenExpert, reason: str) -> None:
+        self._streams.forget(seen.record.peer_id)
+        previous = self._backoff.get(uid)
+        delay = self._retry_after if previous is None else min(MAX_BACKOFF, previous.delay * 2)
+        self._backoff[uid] = _Backoff(time.monotonic() + delay, delay, seen.record.started_at)
+        logger.info("Expert %s at %s failed (%s); skipping it for %.1fs", uid, seen.record.peer_id, reason[:200],
+                    delay)
+
+    async def _exchange(self, peer: str, uid: str, phase: int, payloads: list[bytearray], num_tokens: int,
+                        hidden_dim: int, lossless: bool) -> torch.Tensor:
+        request = pb.ExpertRequest(
+            protocol_version=PROTOCOL_VERSION, expert_uid=uid, phase=phase, num_tokens=num_tokens,
+            hidden_dim=hidden_dim, payload_bytes=[len(p) for p in payloads], lossless=lossless,
+        )
+        stream = await self._streams.acquire(peer)
+        while True:
+            answered = False
+            try:
+                await write_message(stream.writer, request)
+                for payload in payloads:
+                    await write_frame(stream.writer, payload)
+                response = await read_message(stream.reader, pb.ExpertResponse, peer)
+                answered = True
+                if response.code != pb.EXPERT_OK:
+                    raise ProtocolViolation(f"expert {uid} at {peer} refused the call: "
+                                            f"{pb.ExpertCode.Name(response.code)} {response.message}", peer_id=peer)
+                data = await read_frame(stream.reader, max_payload_bytes(num_tokens, hidden_dim), peer,
+                                        "expert result")
+            except (ProtocolViolation, ConnectionError, OSError) as e:
+                stream.writer.close()
+                if stream.reused and not answered:  # an idle stream the host (or p2pd) had closed meanwhile
+                    self._streams.forget(peer)
+                    stream = await self._streams.acquire(peer, fresh=True)
+                    continue
+                raise
+            except BaseException:  # cancelled (timeout, grace period): the stream is mid-exchange, never reuse it
+                stream.writer.close()
+                raise
+            self._streams.release(peer, stream)
+            return codec.decode(data, peer_id=peer, expected_shape=(num_tokens, hidden_dim)).float()
+
+    # --- views ------------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        directory, clock = self._directory, time.monotonic()
+        experts = {}
+        for uid in sorted(set(directory) | set(self.stats)):
+            seen, backoff = directory.get(uid), self._backoff.get(uid)
+            calls = self.stats.get(uid, {})
+            experts[uid] = {
+                "peer_id": seen.record.peer_id if seen else None,
+                "announced": seen is not None,
+                "backing_off_for": round(backoff.until - clock, 2) if backoff and backoff.until > clock else 0.0,
+                "updates": seen.record.updates if seen else None,
+                **{phase: stats.as_dict() for phase, stats in calls.items()},
+            }
+        return {"experts": experts, "layers": {name: stats.as_dict() for name, stats in self.layers.items()}}
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            self._refresher = None
+        self._streams.close()

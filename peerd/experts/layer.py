@@ -1,0 +1,173 @@
+"""``RemoteMoE``: a mixture-of-experts layer whose experts run on other peers.
+
+Forward: the router scores the experts that are routable (announced in the DHT, right width, not backing
+off), each token picks its top ``k``; then **one call per expert** carries every token routed to it (never one
+per token or sample), all experts concurrently. The layer proceeds once ``k_min`` experts answered for every
+token and ``grace`` seconds passed (or all answered, or ``timeout`` expired), and mixes the answers with the
+gate weights renormalized over the experts that answered. Backward: one call per expert that answered,
+carrying its tokens' inputs and output gradients; the host returns input gradients and updates the expert.
+
+Fallback: a token no expert answered for (or every expert dead) gets a **zero** output, so in a residual
+block it passes through unchanged; its router gets no gradient from it in that pass.
+
+The module's only parameters are the router's: the experts' parameters live on their hosts. It must run on a
+worker thread (the trainer's), never on the daemon's event loop thread, which does the I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+from torch import nn
+
+from peerd.averaging import codec
+from peerd.config import MoEConfig
+from peerd.errors import PeerdError
+from peerd.experts.batching import wire_codec
+from peerd.experts.client import ExpertClient, LayerStats
+from peerd.experts.dispatch import gather_quorum
+from peerd.experts.router import Router, load_balancing_loss, renormalize, route
+from peerd.proto import peerd_experts_pb2 as pb
+
+__all__ = ["RemoteMoE"]
+
+# Seconds a pass waits, beyond its own timeout, for the loop to hand back the results.
+_SLACK = 5.0
+_FIRST_REFRESH_TIMEOUT = 15.0
+
+
+class RemoteMoE(nn.Module):
+    """Maps ``[..., hidden_dim]`` to ``[..., hidden_dim]``; ``last_aux_loss`` holds the load-balancing loss
+    of the latest forward pass (add ``config.aux_loss_weight * last_aux_loss`` to the training loss)."""
+
+    def __init__(self, hidden_dim: int, uids: list[str], config: MoEConfig, client: ExpertClient | None = None,
+                 name: str | None = None) -> None:
+        super().__init__()
+        self.hidden_dim = hidden_dim
+        self.uids = list(uids)
+        self.config = config
+        self.name = name or (self.uids[0].rsplit(".", 1)[0] if self.uids else "moe")
+        self.router = Router(hidden_dim, len(self.uids))
+        self.last_aux_loss: torch.Tensor = torch.zeros(())
+        self._client: ExpertClient | None = None
+        self.stats = LayerStats()
+        self._dummy = torch.empty(0, requires_grad=True)  # makes backward run even if the input needs no grad
+        if client is not None:
+            self.attach(client)
+
+    def attach(self, client: ExpertClient) -> None:
+        """Connects the layer to the swarm's experts (models may be built before the daemon's P2P exists)."""
+        self._client = client
+        self.stats = client.track(self.name, self.config.refresh_period, self.config.retry_after)
+
+    @property
+    def client(self) -> ExpertClient:
+        if self._client is None:
+            raise PeerdError("this RemoteMoE layer is not attached to an ExpertClient (no swarm to call)")
+        return self._client
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_dim:
+            raise ValueError(f"expected inputs of width {self.hidden_dim}, got {tuple(x.shape)}")
+        flat = x.reshape(-1, self.hidden_dim)
+        client = self.client
+        client.wait_for_experts(_FIRST_REFRESH_TIMEOUT)
+        alive = torch.tensor(client.routable(self.uids, self.hidden_dim), dtype=torch.bool)
+        self.stats.passes += 1
+        self.stats.tokens += flat.shape[0]
+        if not bool(alive.any()):
+            self.stats.no_expert_alive += 1
+            self.stats.fallback_tokens += flat.shape[0]
+            self.last_aux_loss = self.router.proj.weight.sum() * 0.0
+            return torch.zeros_like(x)
+        routing = route(self.router(flat), alive, self.config.k, self.config.noise if self.training else 0.0)
+        outputs, answered = _RemoteExperts.apply(self._dummy, flat, routing.indices, self)
+        weights = renormalize(routing.gates, answered)
+        self.last_aux_loss = load_balancing_loss(routing.probs, routing.indices, int(alive.sum()))
+        answers = answered.sum(dim=-1)
+        self.stats.fallback_tokens += int((answers == 0).sum())
+        self.stats.partial_tokens += int(((answers > 0) & (answers < routing.indices.shape[1])).sum())
+        return (weights.unsqueeze(-1) * outputs).sum(dim=1).reshape(x.shape)
+
+    # --- the calls, run from _RemoteExperts on the calling (worker) thread ----------------------------------
+
+    def _plan(self, indices: torch.Tensor, mask: torch.Tensor | None = None) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(expert, token indices, slot indices) for every expert with at least one token."""
+        plan = []
+        for expert in torch.unique(indices).tolist():
+            selected = indices == expert if mask is None else (indices == expert) & mask
+            tokens, slots = selected.nonzero(as_tuple=True)
+            if tokens.numel():
+                plan.append((int(expert), tokens, slots))
+        return plan
+
+    def _call_all(self, phase: int, plan: list[tuple[int, torch.Tensor, torch.Tensor]],
+                  tensors: list[list[torch.Tensor]], num_tokens: int) -> dict[int, torch.Tensor]:
+        lossless = self.config.wire == "raw"
+        config = wire_codec(lossless)
+        calls: list[Coroutine[Any, Any, torch.Tensor]] = []
+        for (expert, tokens, _), parts in zip(plan, tensors, strict=True):
+            try:
+                payloads = [codec.encode(t, config) for t in parts]
+            except ValueError as e:  # NaN/Inf activations: never sent; these tokens fall back for this expert
+                calls.append(_refused(f"not calling expert {self.uids[expert]}: {e}"))
+                continue
+            calls.append(self.client.call(self.uids[expert], phase, payloads, tokens.numel(), self.hidden_dim,
+                                          lossless, self.config.timeout))
+        need = torch.zeros(num_tokens, dtype=torch.long)
+        for _, tokens, _ in plan:
+            need[tokens] += 1
+        need.clamp_(max=self.config.k_min)
+        quorum = gather_quorum(calls, [tokens for _, tokens, _ in plan], need, self.config.timeout, self.config.grace)
+        return self.client.run(quorum, self.config.timeout + _SLACK)
+
+    def remote_forward(self, flat: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._plan(indices)
+        results = self._call_all(pb.EXPERT_FORWARD, plan, [[flat[tokens]] for _, tokens, _ in plan], flat.shape[0])
+        outputs = flat.new_zeros(*indices.shape, self.hidden_dim)
+        answered = torch.zeros(indices.shape, dtype=torch.bool)
+        for i, (_, tokens, slots) in enumerate(plan):
+            if i in results:
+                outputs[tokens, slots] = results[i]
+                answered[tokens, slots] = True
+        return outputs, answered
+
+    def remote_backward(self, flat: torch.Tensor, indices: torch.Tensor, answered: torch.Tensor,
+                        grad_outputs: torch.Tensor) -> torch.Tensor:
+        plan = self._plan(indices, answered)
+        parts = [[flat[tokens], grad_outputs[tokens, slots]] for _, tokens, slots in plan]
+        results = self._call_all(pb.EXPERT_BACKWARD, plan, parts, flat.shape[0])
+        grad_inputs = torch.zeros_like(flat)
+        for i, (_, tokens, _) in enumerate(plan):
+            if i in results:
+                grad_inputs.index_add_(0, tokens, results[i])
+        return grad_inputs
+
+    def extra_repr(self) -> str:
+        return f"hidden_dim={self.hidden_dim}, experts={len(self.uids)}, k={self.config.k}, name={self.name!r}"
+
+
+async def _refused(reason: str) -> torch.Tensor:
+    raise PeerdError(reason)
+
+
+class _RemoteExperts(torch.autograd.Function):
+    """Outputs [T, k, d] of the chosen experts and which of them answered [T, k] (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor,
+                layer: RemoteMoE) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = flat.detach()
+        outputs, answered = layer.remote_forward(flat, indices)
+        ctx.layer = layer
+        ctx.save_for_backward(flat, indices, answered)
+        ctx.mark_non_differentiable(answered)
+        return outputs, answered
+
+    @staticmethod
+    def backward(ctx: Any, grad_outputs: torch.Tensor, _: Any) -> tuple[None, torch.Tensor | None, None, None]:
+        flat, indices, answered = ctx.saved_tensors
+        grad_inputs = ctx.layer.remote_backward(flat, indices, answered, grad_outputs.contiguous())
+        return None, grad_inputs if ctx.needs_input_grad[1] else None, None, None

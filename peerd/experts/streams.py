@@ -1,0 +1,86 @@
+"""Reusable libp2p streams for expert calls.
+
+Opening a stream through p2pd costs two unix-socket connections and a protocol negotiation, about as much
+as a whole small call; a MoE layer makes several calls per pass to the same hosts. So a call borrows an idle
+stream to the host when there is one and gives it back after a clean exchange; the host serves calls on a
+stream one after the other until the caller closes it. A stream that saw any error is closed, never reused,
+and a call that finds its borrowed stream broken before any answer retries once on a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+
+from peerd.averaging.wire import MAX_HEADER_BYTES
+from peerd.errors import ProtocolViolation
+
+__all__ = ["IDLE_SECONDS", "PooledStream", "StreamPool", "read_frame_or_eof"]
+
+IDLE_SECONDS = 20.0  # idle streams older than this are closed rather than reused
+MAX_IDLE_PER_PEER = 16
+_LENGTH_BYTES = 8  # as in peerd.averaging.wire
+
+
+@dataclass
+class PooledStream:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    reused: bool
+    idle_since: float = 0.0
+
+
+class StreamPool:
+    def __init__(self, p2p: P2P, handler: str) -> None:
+        self.p2p = p2p
+        self.handler = handler
+        self._idle: dict[str, list[PooledStream]] = {}
+
+    async def acquire(self, peer: str, fresh: bool = False) -> PooledStream:
+        idle = self._idle.get(peer, [])
+        while idle and not fresh:
+            stream = idle.pop()
+            if time.monotonic() - stream.idle_since < IDLE_SECONDS and not stream.writer.is_closing():
+                stream.reused = True
+                return stream
+            stream.writer.close()
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.handler)
+        return PooledStream(reader, writer, reused=False)
+
+    def release(self, peer: str, stream: PooledStream) -> None:
+        idle = self._idle.setdefault(peer, [])
+        if len(idle) >= MAX_IDLE_PER_PEER or stream.writer.is_closing():
+            stream.writer.close()
+            return
+        stream.idle_since = time.monotonic()
+        idle.append(stream)
+
+    def forget(self, peer: str) -> None:
+        """Closes every idle stream to ``peer`` (it failed: they are likely broken too)."""
+        for stream in self._idle.pop(peer, []):
+            stream.writer.close()
+
+    def close(self) -> None:
+        for peer in list(self._idle):
+            self.forget(peer)
+
+
+async def read_frame_or_eof(reader: asyncio.StreamReader, peer: str) -> bytes | None:
+    """The next header frame on a served stream, or None if the caller closed the stream between calls."""
+    try:
+        head = await reader.readexactly(_LENGTH_BYTES)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise ProtocolViolation(f"{peer} sent a truncated frame length", peer_id=peer) from e
+    length = int.from_bytes(head, "little")
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolViolation(f"{peer} announced a {length}-byte request header, above {MAX_HEADER_BYTES}",
+                                peer_id=peer)
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolViolation(f"{peer} sent {len(e.partial)} of the {length} bytes of a request", peer_id=peer) from e

@@ -1,0 +1,215 @@
+"""Prometheus metrics of one daemon, rendered at scrape time from the snapshot ``GET /status`` returns.
+
+Nothing here counts events as they happen. A custom collector reads the daemon's status snapshot (the
+mapping `peerd status --json` prints; its ``training`` part is ``TrainingReport.as_dict()``) and this
+process tree's memory and CPU through psutil. So every daemon has its own registry, there is no global
+state, and this floor-1 module imports nothing from training or averaging. :class:`Distribution` is the
+one thing components record into: a fixed-bucket histogram kept in their own reports and exposed here as
+a Prometheus histogram.
+
+Snapshot keys read (all optional; a missing value gives a family without samples, never a made-up zero):
+``peer_id``, ``run_name``, ``software_version``, ``uptime``, ``peers`` (absent when ``dht_error`` is set),
+``training`` (see ``TrainingReport.as_dict``) and ``experts`` (``calls``, ``errors``, ``latency``, reported
+once this daemon hosts or calls experts; until then those families hold zeros, which is what happened).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+ROUND_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+EXPERT_CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass
+class Distribution:
+    """Counts of observed values per bucket (upper bounds inclusive, one overflow bucket) and their sum."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return  # a NaN would poison the sum forever
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total}
+
+
+def _histogram(name: str, doc: str, data: Any, bounds: Sequence[float]) -> HistogramMetricFamily:
+    """Cumulative Prometheus buckets from a ``Distribution.as_dict()``; empty buckets when there is none."""
+    counts = [0] * (len(bounds) + 1)
+    total = 0.0
+    if isinstance(data, Mapping) and list(data.get("bounds", ())) == list(bounds):
+        raw = data.get("counts")
+        if isinstance(raw, list) and len(raw) == len(counts) and all(isinstance(c, int) for c in raw):
+            counts, total = raw, float(data.get("sum") or 0.0)
+    buckets, running = [], 0
+    for bound, count in zip([*map(str, bounds), "+Inf"], counts):
+        running += count
+        buckets.append((bound, float(running)))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
+def _number(data: Mapping[str, Any] | None, key: str) -> float | None:
+    value = data.get(key) if data is not None else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], value)
+    return family
+
+
+class StatusCollector(Collector):
+    """Turns one status snapshot plus the process tree into metric families."""
+
+    def __init__(self, process: psutil.Process | None = None) -> None:
+        self.snapshot: Mapping[str, Any] = {}
+        self._process = process or psutil.Process()
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.snapshot
+        yield from self._identity(status)
+        yield from self._training(status.get("training") if isinstance(status.get("training"), Mapping) else None)
+        yield from self._experts(status.get("experts") if isinstance(status.get("experts"), Mapping) else None)
+        yield from self._processes()
+
+    def _identity(self, status: Mapping[str, Any]) -> Iterator[Metric]:
+        info = GaugeMetricFamily("peerd_info", "This peer; the value is always 1.",
+                                 labels=["peer_id", "run_name", "version"])
+        if status.get("peer_id"):
+            info.add_metric([str(status["peer_id"]), str(status.get("run_name", "")),
+                             str(status.get("software_version", ""))], 1.0)
+        yield info
+        yield _gauge("peerd_uptime_seconds", "Seconds since this daemon started.", _number(status, "uptime"))
+        peers = status.get("peers")
+        seen = float(len(peers)) if isinstance(peers, list) and not status.get("dht_error") else None
+        yield _gauge("peerd_swarm_peers", "Other peers with a live record in the DHT (absent if the read failed).",
+                     seen)
+
+    def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
+        yield _gauge("peerd_training_step", "Global optimizer step this peer is at.", _number(t, "step"))
+        yield _gauge("peerd_training_loss", "Exponential moving average of micro-batch training losses.",
+                     _number(t, "loss"))
+        yield _gauge("peerd_training_validation_loss", "Loss on the task's fixed validation batches.",
+                     _number(t, "validation_loss"))
+        yield _gauge("peerd_training_validation_step", "Step at which the validation loss was computed.",
+                     _number(t, "validation_step"))
+        yield _gauge("peerd_training_samples_per_second", "Samples this peer processes per second of compute.",
+                     _number(t, "samples_per_second"))
+        yield _gauge("peerd_training_swarm_samples_per_second", "Samples per second over the swarm's trainers.",
+                     _number(t, "swarm_samples_per_second"))
+        yield _gauge("peerd_training_peers", "Trainers of this model (this one included) with live progress.",
+                     _number(t, "peers_training"))
+        yield _gauge("peerd_training_parameters", "Trainable parameters of the model.", _number(t, "parameters"))
+        yield _counter("peerd_training_state_syncs", "Times this peer downloaded the training state from a peer.",
+                       _number(t, "state_syncs"))
+        rounds = CounterMetricFamily("peerd_averaging_rounds", "Global steps by outcome: averaged in a group "
+                                     "(ok) or taken alone because no group formed (solo).", labels=["result"])
+        for label, key in (("ok", "rounds_ok"), ("solo", "rounds_solo")):
+            if (value := _number(t, key)) is not None:
+                rounds.add_metric([label], value)
+        yield rounds
+        last = t.get("last_round") if t is not None and isinstance(t.get("last_round"), Mapping) else None
+        yield _gauge("peerd_averaging_group_size", "Members of the last averaging group.",
+                     _number(last, "group_size"))
+        yield _gauge("peerd_averaging_codec_error_ratio", "Relative L2 error of the 8-bit codec in the last round.",
+                     _number(last, "codec_error"))
+        excluded = last.get("excluded") if last is not None else None
+        yield _gauge("peerd_averaging_excluded_peers", "Peers left out of the last round.",
+                     float(len(excluded)) if isinstance(excluded, Mapping) else None)
+        yield _histogram("peerd_averaging_round_duration_seconds", "Duration of averaging rounds.",
+                         t.get("round_durations") if t is not None else None, ROUND_DURATION_BUCKETS)
+        sent = CounterMetricFamily("peerd_sent_bytes", "Payload bytes sent to peers, by kind.", labels=["kind"])
+        received = CounterMetricFamily("peerd_received_bytes", "Payload bytes received from peers, by kind.",
+                                       labels=["kind"])
+        traffic = t.get("traffic") if t is not None else None
+        for kind, entry in (traffic.items() if isinstance(traffic, Mapping) else ()):
+            if (value := _number(entry, "sent")) is not None:
+                sent.add_metric([str(kind)], value)
+            if (value := _number(entry, "received")) is not None:
+                received.add_metric([str(kind)], value)
+        yield sent
+        yield received
+
+    def _experts(self, experts: Mapping[str, Any] | None) -> Iterator[Metric]:
+        yield _counter("peerd_expert_calls", "Expert forward/backward calls served or made by this daemon.",
+                       _number(experts, "calls") or 0.0)
+        yield _counter("peerd_expert_call_errors", "Expert calls that failed.", _number(experts, "errors") or 0.0)
+        yield _histogram("peerd_expert_call_duration_seconds", "Latency of expert calls.",
+                         experts.get("latency") if experts is not None else None, EXPERT_CALL_BUCKETS)
+
+    def _processes(self) -> Iterator[Metric]:
+        rss = GaugeMetricFamily("peerd_process_resident_memory_bytes", "Resident memory of the daemon process "
+                                "and of all its descendants (the DHT process and p2pd).", labels=["process"])
+        cpu = CounterMetricFamily("peerd_process_cpu_seconds", "User and system CPU time of the daemon process "
+                                  "and of all its live descendants.", labels=["process"])
+        children: list[psutil.Process] = []
+        try:
+            rss.add_metric(["daemon"], float(self._process.memory_info().rss))
+            times = self._process.cpu_times()
+            cpu.add_metric(["daemon"], times.user + times.system)
+            children = self._process.children(recursive=True)
+        except psutil.Error:
+            pass
+        child_rss = child_cpu = 0.0
+        alive = 0
+        for child in children:
+            try:  # a child may exit between listing and reading it
+                child_rss += child.memory_info().rss
+                times = child.cpu_times()
+                child_cpu += times.user + times.system
+                alive += 1
+            except psutil.Error:
+                continue
+        rss.add_metric(["children"], child_rss)
+        cpu.add_metric(["children"], child_cpu)
+        yield rss
+        yield cpu
+        yield _gauge("peerd_process_children", "Live descendant processes of the daemon.", float(alive))
+
+
+class DaemonMetrics:
+    """One daemon's registry. ``render(snapshot)`` returns the Prometheus text exposition of that snapshot."""
+
+    def __init__(self, process: psutil.Process | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._collector = StatusCollector(process)
+        self.registry.register(self._collector)
+
+    def render(self, snapshot: Mapping[str, Any]) -> bytes:
+        # No await between setting and reading the snapshot, so concurrent scrapes cannot mix snapshots.
+        self._collector.snapshot = snapshot
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._collector.snapshot = {}
