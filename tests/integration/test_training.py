@@ -123,3 +123,27 @@ def test_a_peer_with_another_model_is_named_and_refused(swarm: LocalSwarm) -> No
     wait_for(lambda: training(good)["rounds_ok"] >= 5, 60, "the matching peers to keep averaging", 0.5)
     assert training(odd)["rounds_ok"] == before == 0
     assert swarm.stop() == [0, 0, 0]
+
+
+@pytest.mark.timeout(120)
+def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
+    args = ["--config", str(SYNTHETIC), *TASK_ARGS[:-2], "-o", f"training.checkpoint.directory={tmp_path / 'ck'}",
+            "-o", "training.checkpoint.every_steps=10"]
+    first = PeerProcess("first", [*args, "-o", "training.max_steps=20"], tmp_path)
+    try:
+        first.wait_ready(60)
+        wait_for(lambda: training(first)["step"] >= 20, 60, "20 solo steps", 0.2)
+        assert first.stop() == 0
+    finally:
+        first.kill()
+    assert (tmp_path / "ck" / "ckpt-000000020.pt").is_file()
+
+    second = PeerProcess("second", [*args, "-o", "training.max_steps=25", "--resume"], tmp_path)
+    try:
+        second.wait_ready(60)
+        assert training(second)["step"] >= 20  # not back at step 0
+        wait_for(lambda: training(second)["step"] >= 25, 60, "5 more steps", 0.2)
+        assert "Resumed from" in second.log_path.read_text()
+        assert second.stop() == 0
+    finally:
+        second.kill()
