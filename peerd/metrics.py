@@ -62,10 +62,30 @@ def _histogram(name: str, doc: str, data: Any, bounds: Sequence[float]) -> Histo
         if isinstance(raw, list) and len(raw) == len(counts) and all(isinstance(c, int) for c in raw):
             counts, total = raw, float(data.get("sum") or 0.0)
     buckets, running = [], 0
-    for bound, count in zip([*map(str, bounds), "+Inf"], counts):
+    for bound, count in zip([*map(str, bounds), "+Inf"], counts, strict=True):
         running += count
         buckets.append((bound, float(running)))
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
+
+
+_TRAINING_GAUGES = (  # name, key in TrainingReport.as_dict(), help
+    ("peerd_training_step", "step", "Global optimizer step this peer is at."),
+    ("peerd_training_loss", "loss", "Exponential moving average of micro-batch training losses."),
+    ("peerd_training_validation_loss", "validation_loss", "Loss on the task's fixed validation batches."),
+    ("peerd_training_validation_step", "validation_step", "Step at which the validation loss was computed."),
+    ("peerd_training_samples_per_second", "samples_per_second",
+     "Samples this peer processes per second of compute."),
+    ("peerd_training_swarm_samples_per_second", "swarm_samples_per_second",
+     "Samples per second over the swarm's trainers."),
+    ("peerd_training_peers", "peers_training",
+     "Trainers of this model (this one included) with live progress."),
+    ("peerd_training_parameters", "parameters", "Trainable parameters of the model."),
+)
+
+
+def _mapping(data: Mapping[str, Any] | None, key: str) -> Mapping[str, Any] | None:
+    value = data.get(key) if data is not None else None
+    return value if isinstance(value, Mapping) else None
 
 
 def _number(data: Mapping[str, Any] | None, key: str) -> float | None:
@@ -99,8 +119,8 @@ class StatusCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         status = self.snapshot
         yield from self._identity(status)
-        yield from self._training(status.get("training") if isinstance(status.get("training"), Mapping) else None)
-        yield from self._experts(status.get("experts") if isinstance(status.get("experts"), Mapping) else None)
+        yield from self._training(_mapping(status, "training"))
+        yield from self._experts(_mapping(status, "experts"))
         yield from self._processes()
 
     def _identity(self, status: Mapping[str, Any]) -> Iterator[Metric]:
@@ -113,47 +133,37 @@ class StatusCollector(Collector):
         yield _gauge("peerd_uptime_seconds", "Seconds since this daemon started.", _number(status, "uptime"))
         peers = status.get("peers")
         seen = float(len(peers)) if isinstance(peers, list) and not status.get("dht_error") else None
-        yield _gauge("peerd_swarm_peers", "Other peers with a live record in the DHT (absent if the read failed).",
-                     seen)
+        yield _gauge("peerd_swarm_peers", "Other peers with a live record in the DHT (absent if the read "
+                     "failed).", seen)
 
     def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
-        yield _gauge("peerd_training_step", "Global optimizer step this peer is at.", _number(t, "step"))
-        yield _gauge("peerd_training_loss", "Exponential moving average of micro-batch training losses.",
-                     _number(t, "loss"))
-        yield _gauge("peerd_training_validation_loss", "Loss on the task's fixed validation batches.",
-                     _number(t, "validation_loss"))
-        yield _gauge("peerd_training_validation_step", "Step at which the validation loss was computed.",
-                     _number(t, "validation_step"))
-        yield _gauge("peerd_training_samples_per_second", "Samples this peer processes per second of compute.",
-                     _number(t, "samples_per_second"))
-        yield _gauge("peerd_training_swarm_samples_per_second", "Samples per second over the swarm's trainers.",
-                     _number(t, "swarm_samples_per_second"))
-        yield _gauge("peerd_training_peers", "Trainers of this model (this one included) with live progress.",
-                     _number(t, "peers_training"))
-        yield _gauge("peerd_training_parameters", "Trainable parameters of the model.", _number(t, "parameters"))
-        yield _counter("peerd_training_state_syncs", "Times this peer downloaded the training state from a peer.",
-                       _number(t, "state_syncs"))
+        for name, key, doc in _TRAINING_GAUGES:
+            yield _gauge(name, doc, _number(t, key))
+        yield _counter("peerd_training_state_syncs", "Times this peer downloaded the training state from "
+                       "a peer.", _number(t, "state_syncs"))
         rounds = CounterMetricFamily("peerd_averaging_rounds", "Global steps by outcome: averaged in a group "
                                      "(ok) or taken alone because no group formed (solo).", labels=["result"])
         for label, key in (("ok", "rounds_ok"), ("solo", "rounds_solo")):
             if (value := _number(t, key)) is not None:
                 rounds.add_metric([label], value)
         yield rounds
-        last = t.get("last_round") if t is not None and isinstance(t.get("last_round"), Mapping) else None
+        last = _mapping(t, "last_round")
         yield _gauge("peerd_averaging_group_size", "Members of the last averaging group.",
                      _number(last, "group_size"))
-        yield _gauge("peerd_averaging_codec_error_ratio", "Relative L2 error of the 8-bit codec in the last round.",
-                     _number(last, "codec_error"))
-        excluded = last.get("excluded") if last is not None else None
+        yield _gauge("peerd_averaging_codec_error_ratio", "Relative L2 error of the 8-bit codec in the last "
+                     "round.", _number(last, "codec_error"))
+        excluded = _mapping(last, "excluded")
         yield _gauge("peerd_averaging_excluded_peers", "Peers left out of the last round.",
-                     float(len(excluded)) if isinstance(excluded, Mapping) else None)
+                     float(len(excluded)) if excluded is not None else None)
         yield _histogram("peerd_averaging_round_duration_seconds", "Duration of averaging rounds.",
-                         t.get("round_durations") if t is not None else None, ROUND_DURATION_BUCKETS)
-        sent = CounterMetricFamily("peerd_sent_bytes", "Payload bytes sent to peers, by kind.", labels=["kind"])
+                         _mapping(t, "round_durations"), ROUND_DURATION_BUCKETS)
+        sent = CounterMetricFamily("peerd_sent_bytes", "Payload bytes sent to peers, by kind.",
+                                   labels=["kind"])
         received = CounterMetricFamily("peerd_received_bytes", "Payload bytes received from peers, by kind.",
                                        labels=["kind"])
-        traffic = t.get("traffic") if t is not None else None
-        for kind, entry in (traffic.items() if isinstance(traffic, Mapping) else ()):
+        traffic = _mapping(t, "traffic") or {}
+        for kind in traffic:
+            entry = _mapping(traffic, kind)
             if (value := _number(entry, "sent")) is not None:
                 sent.add_metric([str(kind)], value)
             if (value := _number(entry, "received")) is not None:
@@ -164,15 +174,17 @@ class StatusCollector(Collector):
     def _experts(self, experts: Mapping[str, Any] | None) -> Iterator[Metric]:
         yield _counter("peerd_expert_calls", "Expert forward/backward calls served or made by this daemon.",
                        _number(experts, "calls") or 0.0)
-        yield _counter("peerd_expert_call_errors", "Expert calls that failed.", _number(experts, "errors") or 0.0)
+        yield _counter("peerd_expert_call_errors", "Expert calls that failed.",
+                       _number(experts, "errors") or 0.0)
         yield _histogram("peerd_expert_call_duration_seconds", "Latency of expert calls.",
-                         experts.get("latency") if experts is not None else None, EXPERT_CALL_BUCKETS)
+                         _mapping(experts, "latency"), EXPERT_CALL_BUCKETS)
 
     def _processes(self) -> Iterator[Metric]:
-        rss = GaugeMetricFamily("peerd_process_resident_memory_bytes", "Resident memory of the daemon process "
-                                "and of all its descendants (the DHT process and p2pd).", labels=["process"])
-        cpu = CounterMetricFamily("peerd_process_cpu_seconds", "User and system CPU time of the daemon process "
-                                  "and of all its live descendants.", labels=["process"])
+        rss = GaugeMetricFamily("peerd_process_resident_memory_bytes", "Resident memory of the daemon "
+                                "process and of all its descendants (the DHT process and p2pd).",
+                                labels=["process"])
+        cpu = CounterMetricFamily("peerd_process_cpu_seconds", "User and system CPU time of the daemon "
+                                  "process and of all its live descendants.", labels=["process"])
         children: list[psutil.Process] = []
         try:
             rss.add_metric(["daemon"], float(self._process.memory_info().rss))

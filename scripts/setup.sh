@@ -13,3 +13,4 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "setuptools>=68" wheel "grpcio-tools==1.85.1" "torch==2.13.0"
 .venv/bin/python -m pip install --quiet --no-build-isolation -e ".[test]"
+

@@ -61,7 +61,8 @@ def _history_points(request: web.Request) -> int:
     except ValueError:
         points = 0
     if not 1 <= points <= MAX_HISTORY_POINTS:
-        raise web.HTTPBadRequest(text=f"points must be an integer from 1 to {MAX_HISTORY_POINTS}, got {raw!r}")
+        raise web.HTTPBadRequest(text=f"points must be an integer from 1 to {MAX_HISTORY_POINTS}, "
+                                 f"got {raw!r}")
     return points
 
 

@@ -40,8 +40,8 @@ def format_progress(training: Mapping[str, Any]) -> str:
         f"step {training.get('step', '-')}",
         f"loss {_fmt(training.get('loss'), '.4f')}",
         f"val {_fmt(training.get('validation_loss'), '.4f')}",
-        f"{_fmt(training.get('samples_per_second'), '.1f')} samples/s "
-        f"(swarm {_fmt(training.get('swarm_samples_per_second'), '.1f')})",
+        (f"{_fmt(training.get('samples_per_second'), '.1f')} samples/s "
+         f"(swarm {_fmt(training.get('swarm_samples_per_second'), '.1f')})"),
         f"{peers} peer{'' if peers == 1 else 's'}",
         f"rounds {training.get('rounds_ok', 0)} ok/{training.get('rounds_solo', 0)} solo",
         str(training.get("state", "")),
@@ -87,7 +87,9 @@ class TerminalProgress:
         self._wrapped: list[tuple[logging.Handler, _ErasingHandler]] = []
 
     @classmethod
-    def start(cls, config: LoggingConfig, snapshot: Snapshot, stream: TextIO | None = None) -> TerminalProgress:
+    def start(
+        cls, config: LoggingConfig, snapshot: Snapshot, stream: TextIO | None = None
+    ) -> TerminalProgress:
         """Starts the periodic task on the running loop; ``stream`` defaults to the current stderr."""
         stream = stream if stream is not None else sys.stderr
         progress = cls(snapshot, stream, is_live_terminal(stream, config))

@@ -44,7 +44,9 @@ class TrainingReport:
     rounds: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=ROUND_HISTORY))
     round_durations: Distribution = field(default_factory=lambda: Distribution(ROUND_DURATION_BUCKETS))
     # kind -> payload bytes; gradients from the start, so its series exists (at 0) before the first round
-    traffic: dict[str, dict[str, int]] = field(default_factory=lambda: {"gradients": {"sent": 0, "received": 0}})
+    traffic: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {"gradients": {"sent": 0, "received": 0}}
+    )
     _window: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=50))
     _open_step: tuple[int, float, int, float] | None = None  # step, loss sum, micro-batches, last time
 
@@ -106,9 +108,10 @@ class TrainingReport:
         curve = list(self.curve)
         if self._open_step is not None:
             curve.append(self._curve_point(self._open_step))
+        validations = list(self.validations)
         return {
             "loss": [[round(t, 3), step, loss] for t, step, loss in curve[-points:]],
-            "validation_loss": [[round(t, 3), step, loss] for t, step, loss in list(self.validations)[-points:]],
+            "validation_loss": [[round(t, 3), step, loss] for t, step, loss in validations[-points:]],
             "rounds": list(self.rounds),
         }
 

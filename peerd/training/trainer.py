@@ -220,7 +220,8 @@ class CollaborativeTrainer:
             async with self._step_lock:
                 tensors = self._state_tensors()
                 flat = torch.cat([t.reshape(-1) for t in tensors])
-                averaged, _ = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
+                averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
+                self.report.record_traffic("state", state_round.bytes_sent, state_round.bytes_received)
                 offset = 0
                 for t in tensors:
                     t.copy_(averaged[offset : offset + t.numel()].view_as(t))
@@ -251,6 +252,7 @@ class CollaborativeTrainer:
                         unpack_state, blob, self.model, self.optimizer, self.task.fingerprint, record.peer_id
                     )
                     self.step, self.samples = step, 0
+                    self.report.record_traffic("state_sync", 0, len(blob))
                     self.optimizer.zero_grad(set_to_none=True)
                     if self.residual is not None:
                         self.residual.zero_()

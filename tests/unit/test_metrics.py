@@ -1,0 +1,231 @@
+"""What the daemon shows about itself: metrics, training history, the control routes, terminal progress."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import math
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from peerd.averaging.allreduce import RoundReport
+from peerd.config import ControlConfig, LoggingConfig
+from peerd.control.server import ControlServer
+from peerd.control.terminal import TerminalProgress, format_progress, is_live_terminal
+from peerd.metrics import ROUND_DURATION_BUCKETS, DaemonMetrics, Distribution
+from peerd.training.report import TrainingReport
+
+PEER = "12D3KooWPGVdJA78uHzBaDhQwqcrKkim73xy95Amd9qCuoKhvDVB"
+
+
+def fake_status(training: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """The shape of ``Daemon.status()``, with one other peer seen."""
+    return {
+        "peer_id": PEER, "run_name": "test-run", "software_version": "0.1.0", "state": "training",
+        "uptime": 12.5, "peers": [{"peer_id": "other"}], "dht_error": None, "training": training, **extra,
+    }
+
+
+def fake_training() -> dict[str, Any]:
+    report = TrainingReport(fingerprint="f" * 16, parameters=1234)
+    report.step = 7
+    report.record_loss(0.5, samples=32, seconds=0.1)
+    report.rounds_solo = 2
+    for duration in (0.02, 0.3, 0.3, 100.0):
+        report.record_round(RoundReport(round_id="r", group_size=3, duration=duration, bytes_sent=1000,
+                                        bytes_received=900, codec_error=0.01, excluded={"x": "timeout"}))
+    report.record_traffic("state", 50, 60)
+    report.validation_loss, report.validation_step = 0.4, 5
+    report.peers_training = 3
+    return report.as_dict()
+
+
+def parse(text: bytes) -> tuple[dict[str, Any], dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    families = {family.name: family for family in text_string_to_metric_families(text.decode())}
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in families.values():
+        for sample in family.samples:
+            assert isinstance(sample, Sample)
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return families, samples
+
+
+def test_metrics_parse_carry_the_prefix_and_reflect_the_snapshot() -> None:
+    families, samples = parse(DaemonMetrics().render(fake_status(fake_training())))
+    assert families and all(name.startswith("peerd_") for name in families)
+    assert samples[("peerd_training_step", ())] == 7
+    assert samples[("peerd_training_loss", ())] == 0.5
+    assert samples[("peerd_training_validation_loss", ())] == 0.4
+    assert samples[("peerd_training_peers", ())] == 3
+    assert samples[("peerd_swarm_peers", ())] == 1
+    assert samples[("peerd_uptime_seconds", ())] == 12.5
+    assert samples[("peerd_info", (("peer_id", PEER), ("run_name", "test-run"), ("version", "0.1.0")))] == 1
+    assert samples[("peerd_averaging_rounds_total", (("result", "ok"),))] == 4
+    assert samples[("peerd_averaging_rounds_total", (("result", "solo"),))] == 2
+    assert samples[("peerd_averaging_group_size", ())] == 3
+    assert samples[("peerd_averaging_excluded_peers", ())] == 1
+    assert samples[("peerd_sent_bytes_total", (("kind", "gradients"),))] == 4000
+    assert samples[("peerd_received_bytes_total", (("kind", "gradients"),))] == 3600
+    assert samples[("peerd_sent_bytes_total", (("kind", "state"),))] == 50
+    # Cumulative buckets: 0.02 <= 0.05; two 0.3 <= 0.5; 100 only in +Inf.
+    hist = "peerd_averaging_round_duration_seconds"
+    assert samples[(f"{hist}_bucket", (("le", "0.05"),))] == 1
+    assert samples[(f"{hist}_bucket", (("le", "0.5"),))] == 3
+    assert samples[(f"{hist}_bucket", (("le", "60.0"),))] == 3
+    assert samples[(f"{hist}_bucket", (("le", "+Inf"),))] == 4
+    assert samples[(f"{hist}_count", ())] == 4 and math.isclose(samples[(f"{hist}_sum", ())], 100.62)
+    assert samples[("peerd_expert_calls_total", ())] == 0
+    assert samples[("peerd_expert_call_errors_total", ())] == 0
+    assert samples[("peerd_process_resident_memory_bytes", (("process", "daemon"),))] > 10 * 2**20
+
+
+def test_missing_values_leave_families_without_samples_instead_of_zeros() -> None:
+    families, samples = parse(DaemonMetrics().render(fake_status(None, dht_error="lookup timed out")))
+    for name in ("peerd_training_step", "peerd_training_loss", "peerd_swarm_peers",
+                 "peerd_averaging_group_size"):
+        assert name in families and families[name].samples == [], name
+    assert samples[("peerd_averaging_round_duration_seconds_count", ())] == 0
+    # Expert families exist from the start: no expert call has happened, which is what zero says.
+    assert samples[("peerd_expert_calls_total", ())] == 0
+    assert samples[("peerd_expert_call_duration_seconds_count", ())] == 0
+
+
+def test_process_memory_includes_the_daemons_children() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        _, samples = parse(DaemonMetrics().render({}))
+        assert samples[("peerd_process_children", ())] >= 1
+        assert samples[("peerd_process_resident_memory_bytes", (("process", "children"),))] > 2**20
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
+
+
+def test_distribution_buckets_are_inclusive_upper_bounds_and_skip_nan() -> None:
+    dist = Distribution(ROUND_DURATION_BUCKETS)
+    for value in (0.05, 0.051, 1000.0, float("nan")):
+        dist.observe(value)
+    assert dist.counts[0] == 1 and dist.counts[1] == 1 and dist.counts[-1] == 1 and sum(dist.counts) == 3
+    assert math.isclose(dist.total, 1000.101)
+
+
+def test_history_has_one_point_per_step_validations_and_recent_rounds() -> None:
+    report = TrainingReport(fingerprint="f" * 16, parameters=10)
+    old_keys = {"fingerprint", "parameters", "state", "step", "loss", "validation_loss", "validation_step",
+                "samples_per_second", "swarm_samples_per_second", "peers_training", "rounds_ok",
+                "rounds_solo",
+                "state_syncs", "bytes_sent", "bytes_received", "last_round", "foreign_peers"}
+    assert old_keys <= set(report.as_dict())
+    for step, losses in enumerate([(1.0, 3.0), (0.5,), (0.25, 0.75)]):
+        report.step = step
+        for loss in losses:
+            report.record_loss(loss, samples=8, seconds=0.01)
+        if step == 1:
+            report.validation_loss, report.validation_step = 0.6, 1
+    history = report.history()
+    assert [(step, loss) for _, step, loss in history["loss"]] == [(0, 2.0), (1, 0.5), (2, 0.5)]
+    assert [(step, loss) for _, step, loss in history["validation_loss"]] == [(1, 0.6)]
+    assert [point[1] for point in report.history(points=2)["loss"]] == [1, 2]
+    for i in range(25):
+        report.record_round(RoundReport(round_id=str(i), group_size=2, duration=0.1))
+    assert len(history := report.history()["rounds"]) == 20 and history[-1]["group_size"] == 2
+
+
+async def _serve_and_fetch(paths: list[str]) -> dict[str, tuple[int, str, str]]:
+    training = fake_training()
+    training["loss"] = float("nan")
+
+    async def status() -> dict[str, Any]:
+        return fake_status(training)
+
+    def history(points: int) -> dict[str, Any]:
+        return {"loss": [[0, 1, 2]][:points]}
+
+    server = await ControlServer.create(ControlConfig(port=0), status, history)
+    try:
+        results = {}
+        async with aiohttp.ClientSession() as session:
+            for path in paths:
+                async with session.get(server.url + path) as response:
+                    content_type = response.headers.get("Content-Type", "")
+                    results[path] = (response.status, content_type, await response.text())
+                    if path == "/":
+                        assert "default-src 'self'" in response.headers["Content-Security-Policy"]
+        return results
+    finally:
+        await server.shutdown()
+
+
+def test_control_routes_serve_json_metrics_and_the_page() -> None:
+    paths = ["/status", "/history?points=1", "/history?points=abc", "/metrics", "/", "/static/status.js",
+             "/static/../server.py"]
+    got = asyncio.run(_serve_and_fetch(paths))
+    assert got["/status"][0] == 200
+    assert json.loads(got["/status"][2])["training"]["loss"] is None  # NaN -> null
+    assert got["/history?points=1"][0] == 200 and json.loads(got["/history?points=1"][2]) == {
+        "training": {"loss": [[0, 1, 2]]}}
+    assert got["/history?points=abc"][0] == 400
+    assert got["/metrics"][0] == 200 and got["/metrics"][1].startswith("text/plain")
+    assert "peerd_training_step 7.0" in got["/metrics"][2]
+    assert got["/"][0] == 200 and 'id="loss-chart"' in got["/"][2]
+    assert "http" not in got["/"][2].split("<body")[0]  # assets only from this daemon
+    assert got["/static/status.js"][0] == 200 and "/history" in got["/static/status.js"][2]
+    assert got["/static/../server.py"][0] in (403, 404)
+
+
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_redraws_in_place_and_log_records_get_their_own_line() -> None:
+    stream = FakeTty()
+    snapshot = {"step": 3, "loss": 0.25, "samples_per_second": 100.0, "peers_training": 2,
+                "state": "training"}
+    root = logging.getLogger()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = root.handlers[:]
+    root.handlers[:] = [handler]
+
+    async def scenario() -> None:
+        progress = TerminalProgress.start(LoggingConfig(format="text"), lambda: snapshot, stream)
+        assert progress.live
+        progress.tick()
+        logging.getLogger("peerd.test").warning("a log record")
+        await progress.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        root.handlers[:] = saved
+    line = format_progress(snapshot)
+    assert "step 3" in line and "loss 0.2500" in line and "100.0 samples/s" in line and "2 peers" in line
+    erase = "\r\x1b[2K"
+    # drawn; erased before the record, which ends its own line; redrawn; left in the scrollback at stop.
+    assert stream.getvalue() == f"{erase}{line}{erase}a log record\n{erase}{line}{erase}{line}\n"
+
+
+def test_no_progress_line_in_files_or_json_logs(caplog: pytest.LogCaptureFixture) -> None:
+    assert not is_live_terminal(FakeTty(), LoggingConfig(format="json"))
+    assert not is_live_terminal(io.StringIO(), LoggingConfig(format="text"))
+    stream = FakeTty()
+
+    async def scenario() -> None:
+        progress = TerminalProgress.start(LoggingConfig(format="json"), lambda: {"step": 9}, stream)
+        progress.tick()
+        await progress.stop()
+
+    with caplog.at_level(logging.INFO, logger="peerd.control.terminal"):
+        asyncio.run(scenario())
+    assert stream.getvalue() == ""
+    assert any(r.getMessage().startswith("progress: step 9") for r in caplog.records)
