@@ -104,12 +104,15 @@ class AllReducer:
         weight: float,
         residual: torch.Tensor | None = None,
         codec_config: CodecConfig | None = None,
+        average_residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoundReport]:
         """Returns the weighted group average of ``flat`` and a report; never raises for peers' faults.
 
         ``residual`` (same shape as ``flat``) enables error feedback: what quantization dropped from this
         peer's contributions is added to its next ones. ``codec_config`` overrides ``averaging.codec`` for
-        this round (e.g. lossless for parameters). Raises GroupFailed only if this peer is not a member.
+        this round (e.g. lossless for parameters). ``average_residual`` (same shape) does the same for the
+        averages this peer codes as a reducer, the second quantization every element goes through.
+        Raises GroupFailed only if this peer is not a member.
         """
         codec_config = codec_config or self.config.codec
         if self.peer_id not in group.members:
@@ -128,7 +131,10 @@ class AllReducer:
         if residual is not None:  # our own span enters the average exactly, so its carried error is used up
             own = own + residual[start:end]
             residual[start:end] = 0
-        reducer = SpanReducer(group, rank, own, weight, self.config, codec_config, self.peer_id, result[start:end])
+        reducer = SpanReducer(
+            group, rank, own, weight, self.config, codec_config, self.peer_id, result[start:end],
+            average_residual[start:end] if average_residual is not None else None,
+        )
         async with self._round_registered:
             self._reducers[group.round_id] = reducer
             self._round_registered.notify_all()

@@ -47,8 +47,11 @@ class SpanReducer:
         codec_config: CodecConfig,
         peer_id: str,
         out: torch.Tensor,
+        residual: torch.Tensor | None = None,
     ) -> None:
-        """``out`` receives the coded average of the span (the caller's slice of its result)."""
+        """``out`` receives the coded average of the span (the caller's slice of its result); ``residual``, if
+        given, carries what coding the average dropped into this peer's next average of the same elements."""
+        self.residual = residual
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
         self.peer_id, self.out = peer_id, out
         self.numel = own.numel()
@@ -92,9 +95,13 @@ class SpanReducer:
         start, end = self.chunks[index]
         with self._sum_lock:  # after this, _add refuses the chunk (it is in _finalizing)
             average = self.sum[start:end].div_(self.weights[index])
+        if self.residual is not None:
+            average.add_(self.residual[start:end])
         payload = codec.encode(average, self.codec_config)
         # Use the coded average ourselves too, so every member applies bit-identical values.
         codec.decode(payload, peer_id=self.peer_id, out=self.out[start:end])
+        if self.residual is not None:
+            torch.sub(average, self.out[start:end], out=self.residual[start:end])
         return payload
 
     def exclude(self, sender: str, reason: str) -> None:

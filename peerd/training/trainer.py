@@ -63,6 +63,7 @@ class CollaborativeTrainer:
         self.lossless = averaging.codec.model_copy(update={"lossless": True, "error_feedback": False})
         self.state_server = StateServer(p2p, task.fingerprint, self._serve_state)
         self.residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
+        self.average_residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.numel)
@@ -163,7 +164,9 @@ class CollaborativeTrainer:
             if expected < 2:
                 raise GroupFailed("no other peer is at this step")
             group = await self.matchmaker.form_group(key, expected)
-            averaged, round_report = await self.reducer.all_reduce(group, local, weight, self.residual)
+            averaged, round_report = await self.reducer.all_reduce(
+                group, local, weight, self.residual, average_residual=self.average_residual
+            )
             self.report.record_round(round_report)
         except GroupFailed as e:
             logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
@@ -254,8 +257,9 @@ class CollaborativeTrainer:
                     self.step, self.samples = step, 0
                     self.report.record_traffic("state_sync", 0, len(blob))
                     self.optimizer.zero_grad(set_to_none=True)
-                    if self.residual is not None:
-                        self.residual.zero_()
+                    for carried in (self.residual, self.average_residual):
+                        if carried is not None:
+                            carried.zero_()
                 self.report.step = self.step
                 self.report.state_syncs += 1
                 logger.info("Loaded training state at step %d from %s", step, record.peer_id)
