@@ -22,7 +22,7 @@ from hivemind.p2p import P2P
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
-from peerd.errors import GroupFailed, StateError
+from peerd.errors import GroupFailed, PeerdError, StateError
 from peerd.swarm.node import SwarmNode
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.progress import ProgressTracker
@@ -168,7 +168,7 @@ class CollaborativeTrainer:
                 group, local, weight, self.residual, average_residual=self.average_residual
             )
             self.report.record_round(round_report)
-        except GroupFailed as e:
+        except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
             logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
             averaged = local
             self.report.rounds_solo += 1
@@ -229,7 +229,7 @@ class CollaborativeTrainer:
                 for t in tensors:
                     t.copy_(averaged[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-        except GroupFailed as e:
+        except PeerdError as e:
             logger.info("State averaging at step %d skipped: %s", self.step, e)
 
     async def _pack(self) -> bytes:
