@@ -36,7 +36,8 @@ def run(label: str, peers: int, steps: int, extra: list[str]) -> dict[str, float
             peer.wait_ready(60)
 
         def finished() -> bool:
-            return all((p.status()["training"] or {}).get("step", 0) >= steps for p in swarm.peers)
+            # validation runs right after the last step; wait for its result, not just the step count
+            return all(((p.status()["training"] or {}).get("validation_step") or 0) >= steps for p in swarm.peers)
 
         wait_for(finished, 3600, f"{label}: {steps} steps", 2.0)
         reports = [p.status()["training"] for p in swarm.peers]
