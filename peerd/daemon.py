@@ -2,7 +2,8 @@
 
 Start order: swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if enabled) -> control
 endpoint -> first record -> ready line.
-Stop order: announce ``leaving`` -> trainer -> expert server -> control endpoint -> swarm. Each step is logged and bounded.
+Stop order: announce ``leaving`` -> trainer -> expert server -> control endpoint -> swarm. Each step is logged
+and bounded.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ class Daemon:
     async def _start_experts(self) -> None:
         from peerd.experts import ExpertServer
 
-        assert self.swarm is not None and self.config.experts is not None
+        config = self.config.experts
+        assert self.swarm is not None and config is not None
         self._p2p = self._p2p or await self.swarm.dht.replicate_p2p()
-        self.experts = await ExpertServer.create(self.config.experts, self.swarm, self._p2p, self.config.run_name)
+        self.experts = await ExpertServer.create(config, self.swarm, self._p2p, self.config.run_name)
 
     async def _start_trainer(self) -> None:
         from peerd.experts import ExpertClient
@@ -81,8 +83,10 @@ class Daemon:
         task_config = self.config.training.task
         shard = shard_for_peer(task_config, self.swarm.peer_id)
         self._p2p = self._p2p or await self.swarm.dht.replicate_p2p()
-        # a task with remote MoE layers calls experts through this; it reads the DHT only once a layer uses it
+        # remote MoE layers of the task call experts through this; it reads the DHT only once a layer is built
         self.expert_client = ExpertClient(self.swarm, self._p2p, self.config.run_name)
+        if self.experts is not None:  # this peer serves experts too: its model calls them in-process
+            self.expert_client.attach_local(self.experts)
         task = await asyncio.to_thread(build_task, task_config, shard, TaskRuntime(experts=self.expert_client))
         logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
                     task_config.num_shards)
@@ -196,21 +200,20 @@ class Daemon:
         )
 
     def _roles(self) -> list[str]:
-        roles = list(self.config.swarm.roles)
+        roles: list[str] = list(self.config.swarm.roles)
         if self.experts is not None and "expert_host" not in roles:
             roles.append("expert_host")
         return roles
 
     def experts_snapshot(self) -> dict[str, Any] | None:
-        """``server``: this host's experts (calls, tokens, latency, errors, updates); ``client``: the experts
-        this peer's model called (latency, failures) and its MoE layers (fallback tokens)."""
+        """``calls``/``errors``/``latency`` (both sides, for /metrics); ``server``: this host's experts (calls,
+        tokens, latency, errors, updates); ``client``: the experts this peer's model called (latency, failures)
+        and its MoE layers (fallback tokens). See ``peerd.experts.stats.status_section``."""
         if self.experts is None and self.expert_client is None:
             return None
-        client = self.expert_client.status() if self.expert_client is not None else None
-        return {
-            "server": self.experts.status() if self.experts is not None else None,
-            "client": client if client and (client["experts"] or client["layers"]) else None,
-        }
+        from peerd.experts.stats import status_section
+
+        return status_section(self.experts, self.expert_client)
 
     def training_snapshot(self) -> dict[str, Any] | None:
         return self.trainer.report.as_dict() if self.trainer is not None else None

@@ -49,8 +49,9 @@ def format_status(data: dict[str, Any]) -> str:
     if data.get("dht_error"):
         lines.append(f"warning:   {data['dht_error']}")
     lines += ["", f"peers seen ({len(data.get('peers', []))}):", format_peers(data.get("peers", []))]
-    if data.get("experts"):
-        lines += ["", format_experts(data["experts"])]
+    experts = data.get("experts") or {}
+    if experts.get("server") or experts.get("client"):
+        lines += ["", format_experts(experts)]
     return "\n".join(lines)
 
 
@@ -71,8 +72,8 @@ def format_experts(experts: dict[str, Any]) -> str:
                              _ms(calls.get("mean_ms")), _ms(calls.get("p99_ms")), calls.get("errors", 0),
                              info.get("updates", 0) if phase == "backward" else "",
                              f"{info.get('distance_from_init', 0):.4f}" if phase == "backward" else ""])
-        lines = [f"experts served ({len(server.get('experts', {}))}, {server.get('rejected_calls', 0)} malformed "
-                 "calls refused):",
+        served = len(server.get("experts", {}))
+        lines = [f"experts served ({served}, {server.get('rejected_calls', 0)} malformed calls refused):",
                  format_table(["expert", "pass", "calls", "tokens", "batch", "mean ms", "p99 ms", "errors", "updates",
                                "moved"], rows)]
         parts.append("\n".join(lines))

@@ -10,4 +10,12 @@ from peerd.experts.layer import RemoteMoE
 from peerd.experts.router import Router, load_balancing_loss, renormalize, route
 from peerd.experts.server import ExpertServer
 
-__all__ = ["ExpertClient", "ExpertServer", "RemoteMoE", "Router", "load_balancing_loss", "renormalize", "route"]
+__all__ = [
+    "ExpertClient",
+    "ExpertServer",
+    "RemoteMoE",
+    "Router",
+    "load_balancing_loss",
+    "renormalize",
+    "route",
+]

@@ -2,14 +2,16 @@
 
 Everything here runs on the server's compute threads, never on the event loop. A backward batch recomputes
 the forward pass on the inputs the callers sent back (the server keeps no per-call activations), sums the
-parameter gradients of every call in the batch and applies one optimizer step. Non-finite outputs or
-gradients raise :class:`ExpertFailure` before any parameter changes, so a bad batch never corrupts the expert.
+parameter gradients of every call in the batch, answers the callers, and then applies one optimizer step
+(background work: see :mod:`peerd.experts.workers`). Non-finite outputs or gradients raise
+:class:`ExpertFailure` before any parameter changes, so a bad batch never corrupts the expert.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,10 @@ from torch import nn
 from peerd.config import ExpertsConfig
 from peerd.experts.stats import CallStats
 
-__all__ = ["ExpertBackend", "ExpertFailure"]
+__all__ = ["MAX_PENDING_STEPS", "ExpertBackend", "ExpertFailure"]
+
+# Optimizer steps an expert may owe before its next backward batch applies them first (bounds staleness).
+MAX_PENDING_STEPS = 2
 
 
 class ExpertFailure(Exception):
@@ -52,6 +57,7 @@ class ExpertBackend:
         self._initial = [p.detach().clone() for p in self.params]
         # A forward batch must not see parameters half-way through an optimizer step.
         self._lock = threading.Lock()
+        self._pending: deque[list[torch.Tensor | None]] = deque()  # gradients of answered backward batches
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         with self._lock, torch.no_grad():
@@ -61,32 +67,56 @@ class ExpertBackend:
         return outputs
 
     def backward(
-        self, inputs: torch.Tensor, grad_outputs: torch.Tensor, deliver: Callable[[torch.Tensor], None]
+        self,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        deliver: Callable[[torch.Tensor], None],
+        schedule_step: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
-        """Passes the gradients w.r.t. ``inputs`` to ``deliver``, then applies one optimizer step with the
-        parameter gradients: the callers get their answer without waiting for the step."""
+        """Passes the gradients w.r.t. ``inputs`` to ``deliver``; then the optimizer step with the parameter
+        gradients runs through ``schedule_step`` (background work, after other callers' batches) or, without
+        it, right here. Either way the callers get their answer without waiting for the step."""
         with self._lock:
+            while len(self._pending) >= MAX_PENDING_STEPS:  # background steps fell behind: catch up first
+                self._apply(self._pending.popleft())
             self.optimizer.zero_grad(set_to_none=True)
             x = inputs.detach().requires_grad_(True)
             with torch.enable_grad():
                 outputs = self._run(x)
-                outputs.backward(grad_outputs)
+                torch.autograd.backward(outputs, grad_outputs)
             grad_inputs = x.grad
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grad_inputs is None or not bool(torch.isfinite(grad_inputs).all()) or not all(
-                bool(torch.isfinite(g).all()) for g in grads
+            grads = [p.grad for p in self.params]
+            self.optimizer.zero_grad(set_to_none=True)
+            if (
+                grad_inputs is None
+                or not bool(torch.isfinite(grad_inputs).all())
+                or not all(g is None or bool(torch.isfinite(g).all()) for g in grads)
             ):
-                self.optimizer.zero_grad(set_to_none=True)
                 self.skipped_updates += 1
                 raise ExpertFailure(f"expert {self.uid} produced non-finite gradients; update skipped")
             self.batches["backward"] += 1
             self.batched_tokens["backward"] += inputs.shape[0]
-            deliver(grad_inputs)
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.updates += 1
+            self._pending.append(grads)
+        deliver(grad_inputs)
+        if schedule_step is None:
+            self.apply_pending_step()
+        else:
+            schedule_step(self.apply_pending_step)
+
+    def apply_pending_step(self) -> None:
+        """One optimizer step with the oldest gradients not applied yet (none left: nothing to do)."""
+        with self._lock:
+            if self._pending:
+                self._apply(self._pending.popleft())
+
+    def _apply(self, grads: list[torch.Tensor | None]) -> None:
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = grad
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:
         try:
@@ -109,10 +139,17 @@ class ExpertBackend:
             "parameters": self.numel,
             "updates": self.updates,
             "skipped_updates": self.skipped_updates,
+            "pending_steps": len(self._pending),
             "param_norm": round(norm, 6),
             "distance_from_init": round(moved, 6),
-            "forward": {**self.stats["forward"].as_dict(), "batches": batches["forward"],
-                        "mean_batch_tokens": round(self.batched_tokens["forward"] / max(1, batches["forward"]), 2)},
-            "backward": {**self.stats["backward"].as_dict(), "batches": batches["backward"],
-                         "mean_batch_tokens": round(self.batched_tokens["backward"] / max(1, batches["backward"]), 2)},
+            "forward": {
+                **self.stats["forward"].as_dict(),
+                "batches": batches["forward"],
+                "mean_batch_tokens": round(self.batched_tokens["forward"] / max(1, batches["forward"]), 2),
+            },
+            "backward": {
+                **self.stats["backward"].as_dict(),
+                "batches": batches["backward"],
+                "mean_batch_tokens": round(self.batched_tokens["backward"] / max(1, batches["backward"]), 2),
+            },
         }

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from peerd.averaging import codec
 from peerd.config import CodecConfig
 from peerd.errors import CodecError
 from peerd.experts.backend import ExpertBackend, ExpertFailure
+from peerd.experts.workers import Job, Workers
 from peerd.proto import peerd_experts_pb2 as pb
 
 __all__ = ["BatchQueue", "CallResult", "PendingCall", "wire_codec"]
@@ -39,7 +39,7 @@ def wire_codec(lossless: bool) -> CodecConfig:
 
 @dataclass(frozen=True)
 class CallResult:
-    code: int
+    code: pb.ExpertCode
     message: str = ""
     payload: bytes | bytearray = b""
     batch_tokens: int = 0
@@ -49,7 +49,7 @@ class CallResult:
 class PendingCall:
     peer: str
     num_tokens: int
-    payloads: list[bytes]
+    payloads: list[bytes | bytearray]
     lossless: bool
     future: asyncio.Future[CallResult]
     received: float
@@ -60,7 +60,7 @@ class BatchQueue:
         self,
         backend: ExpertBackend,
         phase: str,
-        executor: Executor,
+        workers: Workers,
         loop: asyncio.AbstractEventLoop,
         max_batch_tokens: int,
         max_queued_tokens: int,
@@ -68,7 +68,7 @@ class BatchQueue:
     ) -> None:
         self.backend = backend
         self.phase = phase
-        self._executor = executor
+        self._workers = workers
         self._loop = loop
         self._max_batch = max_batch_tokens
         self._max_queued = max_queued_tokens
@@ -97,8 +97,8 @@ class BatchQueue:
 
     def _launch(self) -> None:
         try:
-            self._executor.submit(self._run)
-        except RuntimeError:  # executor shut down: the server is stopping
+            self._workers.submit(self._run)
+        except RuntimeError:  # workers shut down: the server is stopping
             self.close("the expert host is shutting down")
 
     def close(self, reason: str) -> None:
@@ -110,7 +110,8 @@ class BatchQueue:
 
     def _take(self) -> list[PendingCall]:
         with self._mutex:
-            taken, tokens = [], 0
+            taken: list[PendingCall] = []
+            tokens = 0
             while self._calls and (not taken or tokens + self._calls[0].num_tokens <= self._max_batch):
                 call = self._calls.pop(0)
                 taken.append(call)
@@ -134,7 +135,9 @@ class BatchQueue:
         for call in calls:
             shape = (call.num_tokens, self.backend.hidden_dim)
             try:
-                tensors = [codec.decode(p, peer_id=call.peer, expected_shape=shape).float() for p in call.payloads]
+                tensors = [
+                    codec.decode(p, peer_id=call.peer, expected_shape=shape).float() for p in call.payloads
+                ]
             except CodecError as e:
                 self.backend.stats[self.phase].failed(str(e))
                 self._resolve(call, CallResult(pb.EXPERT_BAD_PAYLOAD, str(e)))
@@ -149,7 +152,9 @@ class BatchQueue:
         def deliver(results: torch.Tensor) -> None:
             nonlocal delivered
             delivered = True
-            for (call, _), part in zip(good, results.split([c.num_tokens for c, _ in good]), strict=True):
+            for (call, _), part in zip(
+                good, torch.split(results, [c.num_tokens for c, _ in good]), strict=True
+            ):
                 try:
                     payload = codec.encode(part, wire_codec(call.lossless))
                 except ValueError as e:
@@ -162,7 +167,8 @@ class BatchQueue:
             if self.phase == "forward":
                 deliver(self.backend.forward(inputs))
             else:
-                self.backend.backward(inputs, torch.cat([tensors[1] for _, tensors in good]), deliver)
+                grads = torch.cat([tensors[1] for _, tensors in good])
+                self.backend.backward(inputs, grads, deliver, self._schedule_step)
         except ExpertFailure as e:
             if delivered:  # the callers have their answer; only the update after it failed
                 logger.warning("%s", e)
@@ -170,6 +176,12 @@ class BatchQueue:
             for call, _ in good:
                 self.backend.stats[self.phase].failed(str(e))
                 self._resolve(call, CallResult(pb.EXPERT_INTERNAL_ERROR, str(e), batch_tokens=tokens))
+
+    def _schedule_step(self, step: Job) -> None:
+        try:
+            self._workers.submit(step, background=True)
+        except RuntimeError:  # shutting down: apply it now rather than lose what the callers taught
+            step()
 
     def _resolve(self, call: PendingCall, result: CallResult) -> None:
         def deliver() -> None:

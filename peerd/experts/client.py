@@ -26,8 +26,8 @@ from peerd.averaging import codec
 from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
 from peerd.errors import PeerdError, PeerUnreachable, ProtocolViolation, RPCTimeout
 from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert, experts_key
-from peerd.experts.server import HANDLER_NAME, max_payload_bytes
-from peerd.experts.stats import CallStats
+from peerd.experts.server import HANDLER_NAME, ExpertServer, max_payload_bytes
+from peerd.experts.stats import CallStats, latency_histogram
 from peerd.experts.streams import StreamPool
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
@@ -59,8 +59,14 @@ class LayerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passes": self.passes, "tokens": self.tokens, "fallback_tokens": self.fallback_tokens,
-                "partial_tokens": self.partial_tokens, "no_expert_alive": self.no_expert_alive, **self.extra}
+        return {
+            "passes": self.passes,
+            "tokens": self.tokens,
+            "fallback_tokens": self.fallback_tokens,
+            "partial_tokens": self.partial_tokens,
+            "no_expert_alive": self.no_expert_alive,
+            **self.extra,
+        }
 
 
 class ExpertClient:
@@ -79,7 +85,13 @@ class ExpertClient:
         self._waited_for_experts = False
         self._streams = StreamPool(p2p, HANDLER_NAME)
         self.stats: dict[str, dict[str, CallStats]] = {}
+        self._local: ExpertServer | None = None
+        self.latency = latency_histogram()  # of every call this peer made, for /metrics
         self.layers: dict[str, LayerStats] = {}
+
+    def attach_local(self, server: ExpertServer) -> None:
+        """This peer's own expert server: calls to its experts go to it directly (libp2p cannot dial itself)."""
+        self._local = server
 
     # --- discovery --------------------------------------------------------------------------------------------
 
@@ -110,8 +122,14 @@ class ExpertClient:
         for uid, backoff in list(self._backoff.items()):
             if uid in seen and seen[uid].record.started_at != backoff.started_at:
                 del self._backoff[uid]  # the host restarted: give it a chance at once
-        self._directory = seen  # replaced whole: worker threads read it without a lock
-        if seen:
+        # A DHT read may come back incomplete (a slow node); a record we already hold stays until it expires, so
+        # an expert leaves routing exactly when its host stopped announcing it, not on a lookup hiccup.
+        current = now()
+        kept = {
+            uid: old for uid, old in self._directory.items() if old.expires_at >= current and uid not in seen
+        }
+        self._directory = {**kept, **seen}  # replaced whole: worker threads read it without a lock
+        if self._directory:
             self._found.set()
 
     def wait_for_experts(self, timeout: float) -> bool:
@@ -123,20 +141,35 @@ class ExpertClient:
         found = self._found.wait(timeout)
         self._waited_for_experts = True
         if not found:
-            logger.warning("No expert records found in the DHT within %.0fs; MoE layers output zeros until "
-                           "experts are announced", timeout)
+            logger.warning(
+                "No expert records found in the DHT within %.0fs; MoE layers output zeros until "
+                "experts are announced",
+                timeout,
+            )
         return found
 
     def routable(self, uids: Iterable[str], hidden_dim: int) -> list[bool]:
         """Per uid: announced, unexpired, of width ``hidden_dim`` and not backing off. Any thread."""
+        return [reason is None for reason in self.unroutable_reasons(uids, hidden_dim)]
+
+    def unroutable_reasons(self, uids: Iterable[str], hidden_dim: int) -> list[str | None]:
+        """Per uid: why it cannot be routed to now, or None if it can. Any thread."""
         directory, current, clock = self._directory, now(), time.monotonic()
-        result = []
+        reasons: list[str | None] = []
         for uid in uids:
             seen = directory.get(uid)
             backoff = self._backoff.get(uid)
-            result.append(seen is not None and seen.expires_at >= current and seen.record.hidden_dim == hidden_dim
-                          and (backoff is None or backoff.until <= clock))
-        return result
+            if seen is None:
+                reasons.append("not announced")
+            elif seen.expires_at < current:
+                reasons.append(f"record expired {current - seen.expires_at:.1f}s ago")
+            elif seen.record.hidden_dim != hidden_dim:
+                reasons.append(f"width {seen.record.hidden_dim}, not {hidden_dim}")
+            elif backoff is not None and backoff.until > clock:
+                reasons.append(f"backing off for {backoff.until - clock:.1f}s")
+            else:
+                reasons.append(None)
+        return reasons
 
     # --- calls ------------------------------------------------------------------------------------------------
 
@@ -148,7 +181,9 @@ class ExpertClient:
             running = None
         if running is self._loop:
             coro.close()
-            raise RuntimeError("remote experts must be called from a worker thread, not the event loop thread")
+            raise RuntimeError(
+                "remote experts must be called from a worker thread, not the event loop thread"
+            )
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
@@ -156,23 +191,39 @@ class ExpertClient:
             future.cancel()
             raise
 
-    async def call(self, uid: str, phase: int, payloads: list[bytearray], num_tokens: int, hidden_dim: int,
-                   lossless: bool, timeout: float) -> torch.Tensor:
+    async def call(
+        self,
+        uid: str,
+        phase: pb.ExpertPhase,
+        payloads: list[bytearray],
+        num_tokens: int,
+        hidden_dim: int,
+        lossless: bool,
+        timeout: float,
+    ) -> torch.Tensor:
         """One call: the [num_tokens, hidden_dim] result, or raises (and the expert backs off)."""
         name = "forward" if phase == pb.EXPERT_FORWARD else "backward"
-        stats = self.stats.setdefault(uid, {"forward": CallStats(), "backward": CallStats()})[name]
+        stats = self.stats.setdefault(
+            uid, {"forward": CallStats(histogram=self.latency), "backward": CallStats(histogram=self.latency)}
+        )[name]
         seen = self._directory.get(uid)
         if seen is None:
             raise PeerUnreachable(f"expert {uid} is not announced in the DHT")
         started = time.monotonic()
         try:
             result = await asyncio.wait_for(
-                self._exchange(seen.record.peer_id, uid, phase, payloads, num_tokens, hidden_dim, lossless), timeout
+                self._exchange(seen.record.peer_id, uid, phase, payloads, num_tokens, hidden_dim, lossless),
+                timeout,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stats.failed(f"timed out after {timeout}s", timed_out=True)
             self._fail(uid, seen, f"timed out after {timeout}s")
-            raise RPCTimeout(f"expert {uid} at {seen.record.peer_id} timed out", peer_id=seen.record.peer_id) from None
+            raise RPCTimeout(
+                f"expert {uid} at {seen.record.peer_id} timed out", peer_id=seen.record.peer_id
+            ) from None
+        except asyncio.CancelledError:  # the layer went on without us (grace period over): late, not failed
+            stats.late += 1
+            raise
         except Exception as e:  # whatever went wrong, the layer goes on without this expert
             stats.failed(f"{type(e).__name__}: {e}")
             self._fail(uid, seen, str(e))
@@ -186,15 +237,41 @@ class ExpertClient:
         previous = self._backoff.get(uid)
         delay = self._retry_after if previous is None else min(MAX_BACKOFF, previous.delay * 2)
         self._backoff[uid] = _Backoff(time.monotonic() + delay, delay, seen.record.started_at)
-        logger.info("Expert %s at %s failed (%s); skipping it for %.1fs", uid, seen.record.peer_id, reason[:200],
-                    delay)
-
-    async def _exchange(self, peer: str, uid: str, phase: int, payloads: list[bytearray], num_tokens: int,
-                        hidden_dim: int, lossless: bool) -> torch.Tensor:
-        request = pb.ExpertRequest(
-            protocol_version=PROTOCOL_VERSION, expert_uid=uid, phase=phase, num_tokens=num_tokens,
-            hidden_dim=hidden_dim, payload_bytes=[len(p) for p in payloads], lossless=lossless,
+        logger.info(
+            "Expert %s at %s failed (%s); skipping it for %.1fs",
+            uid,
+            seen.record.peer_id,
+            reason[:200],
+            delay,
         )
+
+    async def _exchange(
+        self,
+        peer: str,
+        uid: str,
+        phase: pb.ExpertPhase,
+        payloads: list[bytearray],
+        num_tokens: int,
+        hidden_dim: int,
+        lossless: bool,
+    ) -> torch.Tensor:
+        request = pb.ExpertRequest(
+            protocol_version=PROTOCOL_VERSION,
+            expert_uid=uid,
+            phase=phase,
+            num_tokens=num_tokens,
+            hidden_dim=hidden_dim,
+            payload_bytes=[len(p) for p in payloads],
+            lossless=lossless,
+        )
+        if self._local is not None and peer == self.swarm.peer_id:
+            result = await self._local.serve_local(request, list(payloads))
+            if result.code != pb.EXPERT_OK:
+                raise ProtocolViolation(
+                    f"own expert {uid} refused the call: {pb.ExpertCode.Name(result.code)} {result.message}",
+                    peer_id=peer,
+                )
+            return codec.decode(result.payload, peer_id=peer, expected_shape=(num_tokens, hidden_dim)).float()
         stream = await self._streams.acquire(peer)
         while True:
             answered = False
@@ -205,18 +282,24 @@ class ExpertClient:
                 response = await read_message(stream.reader, pb.ExpertResponse, peer)
                 answered = True
                 if response.code != pb.EXPERT_OK:
-                    raise ProtocolViolation(f"expert {uid} at {peer} refused the call: "
-                                            f"{pb.ExpertCode.Name(response.code)} {response.message}", peer_id=peer)
-                data = await read_frame(stream.reader, max_payload_bytes(num_tokens, hidden_dim), peer,
-                                        "expert result")
-            except (ProtocolViolation, ConnectionError, OSError) as e:
+                    raise ProtocolViolation(
+                        f"expert {uid} at {peer} refused the call: "
+                        f"{pb.ExpertCode.Name(response.code)} {response.message}",
+                        peer_id=peer,
+                    )
+                data = await read_frame(
+                    stream.reader, max_payload_bytes(num_tokens, hidden_dim), peer, "expert result"
+                )
+            except (ProtocolViolation, ConnectionError, OSError):
                 stream.writer.close()
                 if stream.reused and not answered:  # an idle stream the host (or p2pd) had closed meanwhile
                     self._streams.forget(peer)
                     stream = await self._streams.acquire(peer, fresh=True)
                     continue
                 raise
-            except BaseException:  # cancelled (timeout, grace period): the stream is mid-exchange, never reuse it
+            except (
+                BaseException
+            ):  # cancelled (timeout, grace period): the stream is mid-exchange, never reuse it
                 stream.writer.close()
                 raise
             self._streams.release(peer, stream)
@@ -233,11 +316,19 @@ class ExpertClient:
             experts[uid] = {
                 "peer_id": seen.record.peer_id if seen else None,
                 "announced": seen is not None,
-                "backing_off_for": round(backoff.until - clock, 2) if backoff and backoff.until > clock else 0.0,
+                "backing_off_for": round(backoff.until - clock, 2)
+                if backoff and backoff.until > clock
+                else 0.0,
                 "updates": seen.record.updates if seen else None,
                 **{phase: stats.as_dict() for phase, stats in calls.items()},
             }
-        return {"experts": experts, "layers": {name: stats.as_dict() for name, stats in self.layers.items()}}
+        layers = {name: stats.as_dict() for name, stats in list(self.layers.items())}
+        return {"experts": experts, "layers": layers}
+
+    def totals(self) -> tuple[int, int]:
+        """Calls made and calls that failed, over all experts and both passes."""
+        stats = [s for per_uid in list(self.stats.values()) for s in per_uid.values()]
+        return sum(s.calls for s in stats), sum(s.errors for s in stats)
 
     async def close(self) -> None:
         if self._refresher is not None:

@@ -16,6 +16,9 @@ worker thread (the trainer's), never on the daemon's event loop thread, which do
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -35,6 +38,10 @@ __all__ = ["RemoteMoE"]
 
 # Seconds a pass waits, beyond its own timeout, for the loop to hand back the results.
 _SLACK = 5.0
+_QUORUM_SLACK = 0.25
+_WARN_EVERY = 30.0  # seconds between warnings that a layer has no expert to call
+
+logger = logging.getLogger(__name__)
 _FIRST_REFRESH_TIMEOUT = 15.0
 
 
@@ -42,8 +49,14 @@ class RemoteMoE(nn.Module):
     """Maps ``[..., hidden_dim]`` to ``[..., hidden_dim]``; ``last_aux_loss`` holds the load-balancing loss
     of the latest forward pass (add ``config.aux_loss_weight * last_aux_loss`` to the training loss)."""
 
-    def __init__(self, hidden_dim: int, uids: list[str], config: MoEConfig, client: ExpertClient | None = None,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        hidden_dim: int,
+        uids: list[str],
+        config: MoEConfig,
+        client: ExpertClient | None = None,
+        name: str | None = None,
+    ) -> None:
         super().__init__()
         self.hidden_dim = hidden_dim
         self.uids = list(uids)
@@ -53,6 +66,7 @@ class RemoteMoE(nn.Module):
         self.last_aux_loss: torch.Tensor = torch.zeros(())
         self._client: ExpertClient | None = None
         self.stats = LayerStats()
+        self._warned_at = -math.inf
         self._dummy = torch.empty(0, requires_grad=True)  # makes backward run even if the input needs no grad
         if client is not None:
             self.attach(client)
@@ -74,26 +88,36 @@ class RemoteMoE(nn.Module):
         flat = x.reshape(-1, self.hidden_dim)
         client = self.client
         client.wait_for_experts(_FIRST_REFRESH_TIMEOUT)
-        alive = torch.tensor(client.routable(self.uids, self.hidden_dim), dtype=torch.bool)
+        reasons = client.unroutable_reasons(self.uids, self.hidden_dim)
+        alive = torch.tensor([reason is None for reason in reasons], dtype=torch.bool)
         self.stats.passes += 1
         self.stats.tokens += flat.shape[0]
         if not bool(alive.any()):
+            if time.monotonic() - self._warned_at >= _WARN_EVERY:
+                self._warned_at = time.monotonic()
+                why = ", ".join(f"{uid}: {reason}" for uid, reason in zip(self.uids, reasons, strict=True))
+                logger.warning(
+                    "MoE layer %s: no expert can be called (%s); its output is zero", self.name, why
+                )
             self.stats.no_expert_alive += 1
             self.stats.fallback_tokens += flat.shape[0]
             self.last_aux_loss = self.router.proj.weight.sum() * 0.0
             return torch.zeros_like(x)
         routing = route(self.router(flat), alive, self.config.k, self.config.noise if self.training else 0.0)
-        outputs, answered = _RemoteExperts.apply(self._dummy, flat, routing.indices, self)
+        outputs, answered = _RemoteExperts.apply(self._dummy, flat, routing.indices, self)  # type: ignore[no-untyped-call]
         weights = renormalize(routing.gates, answered)
         self.last_aux_loss = load_balancing_loss(routing.probs, routing.indices, int(alive.sum()))
         answers = answered.sum(dim=-1)
         self.stats.fallback_tokens += int((answers == 0).sum())
         self.stats.partial_tokens += int(((answers > 0) & (answers < routing.indices.shape[1])).sum())
-        return (weights.unsqueeze(-1) * outputs).sum(dim=1).reshape(x.shape)
+        mixed: torch.Tensor = (weights.unsqueeze(-1) * outputs).sum(dim=1)
+        return mixed.reshape(x.shape)
 
     # --- the calls, run from _RemoteExperts on the calling (worker) thread ----------------------------------
 
-    def _plan(self, indices: torch.Tensor, mask: torch.Tensor | None = None) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _plan(
+        self, indices: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(expert, token indices, slot indices) for every expert with at least one token."""
         plan = []
         for expert in torch.unique(indices).tolist():
@@ -103,8 +127,13 @@ class RemoteMoE(nn.Module):
                 plan.append((int(expert), tokens, slots))
         return plan
 
-    def _call_all(self, phase: int, plan: list[tuple[int, torch.Tensor, torch.Tensor]],
-                  tensors: list[list[torch.Tensor]], num_tokens: int) -> dict[int, torch.Tensor]:
+    def _call_all(
+        self,
+        phase: pb.ExpertPhase,
+        plan: list[tuple[int, torch.Tensor, torch.Tensor]],
+        tensors: list[list[torch.Tensor]],
+        num_tokens: int,
+    ) -> dict[int, torch.Tensor]:
         lossless = self.config.wire == "raw"
         config = wire_codec(lossless)
         calls: list[Coroutine[Any, Any, torch.Tensor]] = []
@@ -114,18 +143,31 @@ class RemoteMoE(nn.Module):
             except ValueError as e:  # NaN/Inf activations: never sent; these tokens fall back for this expert
                 calls.append(_refused(f"not calling expert {self.uids[expert]}: {e}"))
                 continue
-            calls.append(self.client.call(self.uids[expert], phase, payloads, tokens.numel(), self.hidden_dim,
-                                          lossless, self.config.timeout))
+            calls.append(
+                self.client.call(
+                    self.uids[expert],
+                    phase,
+                    payloads,
+                    tokens.numel(),
+                    self.hidden_dim,
+                    lossless,
+                    self.config.timeout,
+                )
+            )
         need = torch.zeros(num_tokens, dtype=torch.long)
         for _, tokens, _ in plan:
             need[tokens] += 1
         need.clamp_(max=self.config.k_min)
-        quorum = gather_quorum(calls, [tokens for _, tokens, _ in plan], need, self.config.timeout, self.config.grace)
-        return self.client.run(quorum, self.config.timeout + _SLACK)
+        # the calls time out on their own first (and are counted as failures); the quorum's deadline is a backstop
+        deadline = self.config.timeout + _QUORUM_SLACK
+        quorum = gather_quorum(calls, [tokens for _, tokens, _ in plan], need, deadline, self.config.grace)
+        return self.client.run(quorum, deadline + _SLACK)
 
     def remote_forward(self, flat: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._plan(indices)
-        results = self._call_all(pb.EXPERT_FORWARD, plan, [[flat[tokens]] for _, tokens, _ in plan], flat.shape[0])
+        results = self._call_all(
+            pb.EXPERT_FORWARD, plan, [[flat[tokens]] for _, tokens, _ in plan], flat.shape[0]
+        )
         outputs = flat.new_zeros(*indices.shape, self.hidden_dim)
         answered = torch.zeros(indices.shape, dtype=torch.bool)
         for i, (_, tokens, slots) in enumerate(plan):
@@ -134,8 +176,9 @@ class RemoteMoE(nn.Module):
                 answered[tokens, slots] = True
         return outputs, answered
 
-    def remote_backward(self, flat: torch.Tensor, indices: torch.Tensor, answered: torch.Tensor,
-                        grad_outputs: torch.Tensor) -> torch.Tensor:
+    def remote_backward(
+        self, flat: torch.Tensor, indices: torch.Tensor, answered: torch.Tensor, grad_outputs: torch.Tensor
+    ) -> torch.Tensor:
         plan = self._plan(indices, answered)
         parts = [[flat[tokens], grad_outputs[tokens, slots]] for _, tokens, slots in plan]
         results = self._call_all(pb.EXPERT_BACKWARD, plan, parts, flat.shape[0])
@@ -146,7 +189,9 @@ class RemoteMoE(nn.Module):
         return grad_inputs
 
     def extra_repr(self) -> str:
-        return f"hidden_dim={self.hidden_dim}, experts={len(self.uids)}, k={self.config.k}, name={self.name!r}"
+        return (
+            f"hidden_dim={self.hidden_dim}, experts={len(self.uids)}, k={self.config.k}, name={self.name!r}"
+        )
 
 
 async def _refused(reason: str) -> torch.Tensor:
@@ -157,8 +202,9 @@ class _RemoteExperts(torch.autograd.Function):
     """Outputs [T, k, d] of the chosen experts and which of them answered [T, k] (not differentiable)."""
 
     @staticmethod
-    def forward(ctx: Any, dummy: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor,
-                layer: RemoteMoE) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, dummy: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor, layer: RemoteMoE
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         flat = flat.detach()
         outputs, answered = layer.remote_forward(flat, indices)
         ctx.layer = layer
@@ -167,7 +213,9 @@ class _RemoteExperts(torch.autograd.Function):
         return outputs, answered
 
     @staticmethod
-    def backward(ctx: Any, grad_outputs: torch.Tensor, _: Any) -> tuple[None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_outputs: torch.Tensor, _: Any
+    ) -> tuple[None, torch.Tensor | None, None, None]:
         flat, indices, answered = ctx.saved_tensors
         grad_inputs = ctx.layer.remote_backward(flat, indices, answered, grad_outputs.contiguous())
         return None, grad_inputs if ctx.needs_input_grad[1] else None, None, None

@@ -33,7 +33,8 @@ class FeedForwardExpert(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.nn.functional.gelu(self.up(x)))
+        out: torch.Tensor = self.down(torch.nn.functional.gelu(self.up(x)))
+        return out
 
 
 def _expert_seed(seed: int, uid: str) -> int:
@@ -46,12 +47,15 @@ def _custom_class(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise ConfigError(f"experts.module {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}",
-                          field="experts.module") from e
+        raise ConfigError(
+            f"experts.module {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}",
+            field="experts.module",
+        ) from e
     cls = getattr(module, class_name, None)
     if cls is None or not callable(cls):
-        raise ConfigError(f"experts.module {spec!r}: {module_name!r} has no class {class_name!r}",
-                          field="experts.module")
+        raise ConfigError(
+            f"experts.module {spec!r}: {module_name!r} has no class {class_name!r}", field="experts.module"
+        )
     return cls
 
 
@@ -61,8 +65,10 @@ def build_expert(config: ExpertsConfig, uid: str) -> nn.Module:
         torch.manual_seed(_expert_seed(config.seed, uid))
         if config.module == "ffn":
             if config.module_options:
-                raise ConfigError("experts.module_options only applies to a custom experts.module",
-                                  field="experts.module_options")
+                raise ConfigError(
+                    "experts.module_options only applies to a custom experts.module",
+                    field="experts.module_options",
+                )
             expert: nn.Module = FeedForwardExpert(config.hidden_dim, config.ffn_dim)
         else:
             try:
@@ -70,20 +76,30 @@ def build_expert(config: ExpertsConfig, uid: str) -> nn.Module:
             except ConfigError:
                 raise
             except Exception as e:
-                raise ConfigError(f"experts.module {config.module!r} could not be built: {type(e).__name__}: {e}",
-                                  field="experts.module") from e
+                raise ConfigError(
+                    f"experts.module {config.module!r} could not be built: {type(e).__name__}: {e}",
+                    field="experts.module",
+                ) from e
     if not isinstance(expert, nn.Module) or not any(p.requires_grad for p in expert.parameters()):
-        raise ConfigError(f"experts.module {config.module!r} must build an nn.Module with trainable parameters",
-                          field="experts.module")
+        raise ConfigError(
+            f"experts.module {config.module!r} must build an nn.Module with trainable parameters",
+            field="experts.module",
+        )
     expert = expert.float()
     with torch.no_grad():
         try:
             probe = expert(torch.zeros(2, config.hidden_dim))
         except Exception as e:
-            raise ConfigError(f"experts.module {config.module!r} fails on a [2, {config.hidden_dim}] input: "
-                              f"{type(e).__name__}: {e}", field="experts.module") from e
+            raise ConfigError(
+                f"experts.module {config.module!r} fails on a [2, {config.hidden_dim}] input: "
+                f"{type(e).__name__}: {e}",
+                field="experts.module",
+            ) from e
     if not isinstance(probe, torch.Tensor) or tuple(probe.shape) != (2, config.hidden_dim):
         shape = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
-        raise ConfigError(f"experts.module {config.module!r} maps [2, {config.hidden_dim}] to {shape}; it must "
-                          "keep the shape", field="experts.module")
+        raise ConfigError(
+            f"experts.module {config.module!r} maps [2, {config.hidden_dim}] to {shape}; it must "
+            "keep the shape",
+            field="experts.module",
+        )
     return expert

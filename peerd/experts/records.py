@@ -69,13 +69,18 @@ def parse_expert_record(subkey: object, value: object) -> ExpertRecord:
     try:
         record = ExpertRecord.model_validate(value)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()
+        )
         raise ProtocolViolation(f"malformed expert record {uid!r}: {problems[:500]}") from None
     if record.uid != subkey:
-        raise ProtocolViolation(f"expert record for {record.uid!r} stored under another subkey {uid!r}",
-                                peer_id=record.peer_id)
+        raise ProtocolViolation(
+            f"expert record for {record.uid!r} stored under another subkey {uid!r}", peer_id=record.peer_id
+        )
     if record.updated_at < record.started_at:
-        raise ProtocolViolation(f"expert record {uid!r}: updated_at precedes started_at", peer_id=record.peer_id)
+        raise ProtocolViolation(
+            f"expert record {uid!r}: updated_at precedes started_at", peer_id=record.peer_id
+        )
     return record
 
 

@@ -36,7 +36,9 @@ def route(logits: torch.Tensor, alive: torch.Tensor, k: int, noise: float = 0.0)
     ``noise`` > 0 adds Gaussian noise of that std to the logits first (exploration while training).
     """
     if logits.dim() != 2 or alive.shape != (logits.shape[1],):
-        raise ValueError(f"logits must be [T, E] and alive [E], got {tuple(logits.shape)} and {tuple(alive.shape)}")
+        raise ValueError(
+            f"logits must be [T, E] and alive [E], got {tuple(logits.shape)} and {tuple(alive.shape)}"
+        )
     num_alive = int(alive.sum())
     if num_alive == 0:
         raise ValueError("no expert is alive")
@@ -55,7 +57,9 @@ def renormalize(gates: torch.Tensor, answered: torch.Tensor) -> torch.Tensor:
     """Gate weights over the experts that answered: each row sums to 1, or is all zero if none answered."""
     kept = gates * answered.to(gates.dtype)
     total = kept.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, kept / total.clamp_min(torch.finfo(gates.dtype).tiny), torch.zeros_like(kept))
+    return torch.where(
+        total > 0, kept / total.clamp_min(torch.finfo(gates.dtype).tiny), torch.zeros_like(kept)
+    )
 
 
 def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, num_alive: int) -> torch.Tensor:
@@ -64,7 +68,9 @@ def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor, num_alive: i
     if tokens == 0:
         return probs.sum() * 0.0
     counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-    counts.index_add_(0, indices.reshape(-1), torch.ones(indices.numel(), dtype=probs.dtype, device=probs.device))
+    counts.index_add_(
+        0, indices.reshape(-1), torch.ones(indices.numel(), dtype=probs.dtype, device=probs.device)
+    )
     fraction = counts / indices.numel()
     mean_prob = probs.mean(dim=0)
     return num_alive * (fraction * mean_prob).sum()
@@ -79,4 +85,5 @@ class Router(nn.Module):
         nn.init.normal_(self.proj.weight, std=std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+        logits: torch.Tensor = self.proj(x)
+        return logits

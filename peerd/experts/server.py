@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -26,7 +25,9 @@ from peerd.experts.backend import ExpertBackend
 from peerd.experts.batching import BatchQueue, CallResult, PendingCall
 from peerd.experts.modules import build_expert
 from peerd.experts.records import PROTOCOL_VERSION, ExpertRecord, experts_key
+from peerd.experts.stats import latency_histogram
 from peerd.experts.streams import read_frame_or_eof
+from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
 
@@ -35,6 +36,8 @@ __all__ = ["HANDLER_NAME", "ExpertServer"]
 logger = logging.getLogger(__name__)
 
 HANDLER_NAME = "peerd.v1.experts.call"
+MAX_HIDDEN_DIM = 65536
+DRAIN_TIMEOUT = 10.0  # seconds to read the payload of a refused call before answering
 PHASES = {pb.EXPERT_FORWARD: ("forward", 1), pb.EXPERT_BACKWARD: ("backward", 2)}
 
 
@@ -44,8 +47,14 @@ def max_payload_bytes(num_tokens: int, hidden_dim: int) -> int:
 
 
 class ExpertServer:
-    def __init__(self, config: ExpertsConfig, swarm: SwarmNode, p2p: P2P, run_name: str,
-                 backends: dict[str, ExpertBackend]) -> None:
+    def __init__(
+        self,
+        config: ExpertsConfig,
+        swarm: SwarmNode,
+        p2p: P2P,
+        run_name: str,
+        backends: dict[str, ExpertBackend],
+    ) -> None:
         self.config = config
         self.swarm = swarm
         self.p2p = p2p
@@ -54,12 +63,24 @@ class ExpertServer:
         self.started_at = now()
         self.rejected = 0  # calls refused as malformed (unknown uid, bad header or payload)
         self.last_rejection: str | None = None
-        self._executor = ThreadPoolExecutor(config.threads, thread_name_prefix="peerd-expert")
+        self.latency = latency_histogram()  # of every call served, for /metrics
+        for backend in backends.values():
+            for stats in backend.stats.values():
+                stats.histogram = self.latency
+        self._workers = Workers(config.threads)
         loop = asyncio.get_running_loop()
         self._queues = {
-            (uid, phase): BatchQueue(backend, phase, self._executor, loop, config.max_request_tokens,
-                                     config.max_queued_tokens, config.batch_wait)
-            for uid, backend in backends.items() for phase in ("forward", "backward")
+            (uid, phase): BatchQueue(
+                backend,
+                phase,
+                self._workers,
+                loop,
+                config.max_request_tokens,
+                config.max_queued_tokens,
+                config.batch_wait,
+            )
+            for uid, backend in backends.items()
+            for phase in ("forward", "backward")
         }
         self._announcer: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -75,8 +96,12 @@ class ExpertServer:
         await p2p.add_binary_stream_handler(HANDLER_NAME, server._handle_stream)
         await server.announce()
         server._announcer = asyncio.ensure_future(server._announce_periodically())
-        logger.info("Serving %d experts (%s) of width %d", len(server.backends), ", ".join(server.uids),
-                    config.hidden_dim)
+        logger.info(
+            "Serving %d experts (%s) of width %d",
+            len(server.backends),
+            ", ".join(server.uids),
+            config.hidden_dim,
+        )
         return server
 
     @property
@@ -89,13 +114,22 @@ class ExpertServer:
         current = max(now(), self.started_at)
         maddrs = self.swarm.visible_maddrs()
         return [
-            ExpertRecord(uid=uid, peer_id=self.swarm.peer_id, maddrs=maddrs, protocol_version=PROTOCOL_VERSION,
-                         hidden_dim=self.config.hidden_dim, module=self.config.module, updates=backend.updates,
-                         started_at=self.started_at, updated_at=current)
+            ExpertRecord(
+                uid=uid,
+                peer_id=self.swarm.peer_id,
+                maddrs=maddrs,
+                protocol_version=PROTOCOL_VERSION,
+                hidden_dim=self.config.hidden_dim,
+                module=self.config.module,
+                updates=backend.updates,
+                started_at=self.started_at,
+                updated_at=current,
+            )
             for uid, backend in self.backends.items()
         ]
 
     async def announce(self) -> None:
+        started = time.monotonic()
         expiration = now() + self.config.record_ttl
         stores = [self.swarm.store(self.key, r.uid, r.to_wire(), expiration) for r in self.records()]
         for result in await asyncio.gather(*stores, return_exceptions=True):
@@ -103,17 +137,26 @@ class ExpertServer:
                 logger.warning("Could not announce an expert: %s", result)
             elif isinstance(result, BaseException):
                 raise result
+        took = time.monotonic() - started
+        if took > self.config.announce_period:
+            logger.warning(
+                "Announcing the experts took %.1fs (experts.announce_period is %.1fs)",
+                took,
+                self.config.announce_period,
+            )
 
     async def _announce_periodically(self) -> None:
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), self.config.announce_period)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await self.announce()
 
     # --- serving ----------------------------------------------------------------------------------------------
 
-    async def _handle_stream(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle_stream(
+        self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         """Serves calls on one stream, one after the other, until the caller closes it or anything fails."""
         peer = str(getattr(info, "peer_id", "?"))
         try:
@@ -124,13 +167,21 @@ class ExpertServer:
                 try:
                     request = pb.ExpertRequest.FromString(header)
                 except DecodeError as e:
-                    raise ProtocolViolation(f"{peer} sent a malformed ExpertRequest: {e}", peer_id=peer) from e
+                    raise ProtocolViolation(
+                        f"{peer} sent a malformed ExpertRequest: {e}", peer_id=peer
+                    ) from e
                 result = await self._serve(peer, request, reader)
                 backend = self.backends.get(request.expert_uid)
-                await write_message(writer, pb.ExpertResponse(
-                    code=result.code, message=result.message[:1000], payload_bytes=len(result.payload),
-                    batch_tokens=result.batch_tokens, updates=backend.updates if backend else 0,
-                ))
+                await write_message(
+                    writer,
+                    pb.ExpertResponse(
+                        code=result.code,
+                        message=result.message[:1000],
+                        payload_bytes=len(result.payload),
+                        batch_tokens=result.batch_tokens,
+                        updates=backend.updates if backend else 0,
+                    ),
+                )
                 if result.code != pb.EXPERT_OK:
                     self._log_refusal(peer, result)
                     return  # unread payload frames may follow a refused header: this stream is done
@@ -139,7 +190,7 @@ class ExpertServer:
             self.rejected += 1
             self.last_rejection = str(e)[:300]
             logger.info("Dropping expert call stream from %s: %s", peer, e)
-        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, TimeoutError) as e:
             logger.debug("Expert call stream from %s broke: %s", peer, e)
         finally:
             writer.close()
@@ -148,51 +199,87 @@ class ExpertServer:
         if result.code in (pb.EXPERT_UNKNOWN, pb.EXPERT_BAD_REQUEST, pb.EXPERT_BAD_PAYLOAD):
             self.rejected += 1
             self.last_rejection = f"{peer}: {pb.ExpertCode.Name(result.code)} {result.message}"[:300]
-        logger.info("Refused an expert call from %s: %s %s", peer, pb.ExpertCode.Name(result.code), result.message)
+        logger.info(
+            "Refused an expert call from %s: %s %s", peer, pb.ExpertCode.Name(result.code), result.message
+        )
 
     async def _serve(self, peer: str, request: pb.ExpertRequest, reader: asyncio.StreamReader) -> CallResult:
+        sizes = list(request.payload_bytes)
+        tokens = min(request.num_tokens, self.config.max_request_tokens)
+        limit = max_payload_bytes(tokens, min(request.hidden_dim, MAX_HIDDEN_DIM))
+        oversized = next((size for size in sizes if size > limit), None) if len(sizes) <= 2 else -1
         problem = self._check_header(request)
+        if problem is None and oversized is not None:
+            problem = CallResult(
+                pb.EXPERT_BAD_REQUEST,
+                f"announced payload sizes {sizes[:4]}: one exceeds the "
+                f"{limit} bytes a [{tokens}, {request.hidden_dim}] tensor can take",
+            )
         if problem is not None:
+            if oversized is None:  # read what the caller sends anyway, so that it reliably gets our answer
+                for size in sizes:
+                    await asyncio.wait_for(read_frame(reader, size, peer, "refused payload"), DRAIN_TIMEOUT)
             return problem
-        phase, _ = PHASES[request.phase]
-        limit = max_payload_bytes(request.num_tokens, request.hidden_dim)
-        payloads = []
-        for size in request.payload_bytes:
-            if size > limit:
-                return CallResult(pb.EXPERT_BAD_REQUEST, f"a {size}-byte payload exceeds the {limit} bytes a "
-                                  f"[{request.num_tokens}, {request.hidden_dim}] tensor can take")
+        payloads: list[bytes | bytearray] = []
+        for size in sizes:
             payloads.append(await read_frame(reader, size, peer, "expert payload"))
+        return await self._submit(peer, request, payloads)
+
+    async def serve_local(self, request: pb.ExpertRequest, payloads: list[bytes | bytearray]) -> CallResult:
+        """A call from this peer's own model: libp2p cannot dial itself, so it skips the stream, nothing else
+        (same validation, same batches as remote calls)."""
+        problem = self._check_header(request)
+        if problem is None and list(request.payload_bytes) != [len(p) for p in payloads]:
+            problem = CallResult(pb.EXPERT_BAD_REQUEST, "payload sizes differ from the header")
+        return problem or await self._submit(self.swarm.peer_id, request, payloads)
+
+    async def _submit(
+        self, peer: str, request: pb.ExpertRequest, payloads: list[bytes | bytearray]
+    ) -> CallResult:
+        phase, _ = PHASES[request.phase]
         if self._stop.is_set():
             return CallResult(pb.EXPERT_SHUTTING_DOWN, "the expert host is shutting down")
         future: asyncio.Future[CallResult] = asyncio.get_running_loop().create_future()
         call = PendingCall(peer, request.num_tokens, payloads, request.lossless, future, time.monotonic())
         if not self._queues[(request.expert_uid, phase)].submit(call):
             self.backends[request.expert_uid].stats[phase].failed("overloaded")
-            return CallResult(pb.EXPERT_OVERLOADED, f"expert {request.expert_uid} has more than "
-                              f"{self.config.max_queued_tokens} tokens queued; retry later")
+            return CallResult(
+                pb.EXPERT_OVERLOADED,
+                f"expert {request.expert_uid} has more than "
+                f"{self.config.max_queued_tokens} tokens queued; retry later",
+            )
         return await future
 
     def _check_header(self, request: pb.ExpertRequest) -> CallResult | None:
-        def bad(message: str, code: int = pb.EXPERT_BAD_REQUEST) -> CallResult:
+        def bad(message: str, code: pb.ExpertCode = pb.EXPERT_BAD_REQUEST) -> CallResult:
             return CallResult(code, message)
 
         if request.protocol_version != PROTOCOL_VERSION:
-            return bad(f"protocol version {request.protocol_version} unsupported; this host speaks "
-                       f"{PROTOCOL_VERSION}")
+            return bad(
+                f"protocol version {request.protocol_version} unsupported; this host speaks "
+                f"{PROTOCOL_VERSION}"
+            )
         backend = self.backends.get(request.expert_uid)
         if backend is None:
-            return bad(f"unknown expert uid {request.expert_uid[:128]!r}: this host serves "
-                       f"{', '.join(self.uids)[:500]}", pb.EXPERT_UNKNOWN)
+            return bad(
+                f"unknown expert uid {request.expert_uid[:128]!r}: this host serves "
+                f"{', '.join(self.uids)[:500]}",
+                pb.EXPERT_UNKNOWN,
+            )
         if request.phase not in PHASES:
             return bad(f"phase {request.phase} is neither EXPERT_FORWARD nor EXPERT_BACKWARD")
         phase, payloads = PHASES[request.phase]
         if len(request.payload_bytes) != payloads:
             return bad(f"a {phase} call carries {payloads} tensors, not {len(request.payload_bytes)}")
         if not 1 <= request.num_tokens <= self.config.max_request_tokens:
-            return bad(f"num_tokens {request.num_tokens} outside 1..{self.config.max_request_tokens} "
-                       "(experts.max_request_tokens)")
+            return bad(
+                f"num_tokens {request.num_tokens} outside 1..{self.config.max_request_tokens} "
+                "(experts.max_request_tokens)"
+            )
         if request.hidden_dim != backend.hidden_dim:
-            return bad(f"hidden_dim {request.hidden_dim} differs from the expert's width {backend.hidden_dim}")
+            return bad(
+                f"hidden_dim {request.hidden_dim} differs from the expert's width {backend.hidden_dim}"
+            )
         return None
 
     # --- views and shutdown ---------------------------------------------------------------------------------
@@ -207,14 +294,19 @@ class ExpertServer:
             "experts": {uid: backend.status() for uid, backend in self.backends.items()},
         }
 
+    def totals(self) -> tuple[int, int]:
+        """Calls served (refused ones included) and calls that failed or were refused."""
+        stats = [s for backend in self.backends.values() for s in backend.stats.values()]
+        return sum(s.calls for s in stats) + self.rejected, sum(s.errors for s in stats) + self.rejected
+
     async def stop(self) -> None:
         self._stop.set()
         if self._announcer is not None:
             self._announcer.cancel()
         try:
             await self.p2p.remove_binary_stream_handler(HANDLER_NAME)
-        except Exception as e:  # p2pd may already be gone at shutdown
+        except Exception as e:  # noqa: BLE001 (p2pd may already be gone at shutdown)
             logger.debug("Could not unregister the expert handler: %s", e)
         for queue in self._queues.values():
             queue.close("the expert host is shutting down")
-        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._workers.shutdown)  # applies the optimizer steps still pending

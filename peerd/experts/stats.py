@@ -7,7 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CallStats"]
+from peerd.metrics import EXPERT_CALL_BUCKETS, Distribution
+
+__all__ = ["CallStats", "latency_histogram", "merged", "status_section"]
 
 WINDOW = 1000  # latencies kept for the percentiles
 
@@ -18,13 +20,17 @@ class CallStats:
     tokens: int = 0
     errors: int = 0
     timeouts: int = 0
+    late: int = 0  # caller side: abandoned after the layer's grace period (neither answered nor failed)
     last_error: str | None = None
+    histogram: Distribution | None = None  # shared by a server's or client's experts, for /metrics
     _latencies: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def ok(self, tokens: int, seconds: float) -> None:
         self.calls += 1
         self.tokens += tokens
         self._latencies.append(seconds)
+        if self.histogram is not None:
+            self.histogram.observe(seconds)
 
     def failed(self, reason: str, timed_out: bool = False) -> None:
         self.calls += 1
@@ -41,7 +47,44 @@ class CallStats:
             "tokens": self.tokens,
             "errors": self.errors,
             "timeouts": self.timeouts,
+            "late": self.late,
             "mean_ms": None if mean is None else round(mean * 1e3, 3),
             "p99_ms": None if p99 is None else round(p99 * 1e3, 3),
             "last_error": self.last_error,
         }
+
+
+def latency_histogram() -> Distribution:
+    return Distribution(EXPERT_CALL_BUCKETS)
+
+
+def merged(histograms: list[Distribution]) -> dict[str, Any]:
+    """One ``Distribution.as_dict()`` summing histograms of the same buckets."""
+    total = latency_histogram()
+    for histogram in histograms:
+        total.counts = [a + b for a, b in zip(total.counts, histogram.counts, strict=True)]
+        total.total += histogram.total
+    return total.as_dict()
+
+
+def status_section(server: Any, client: Any) -> dict[str, Any]:
+    """The daemon status' ``experts`` section from an ExpertServer and/or ExpertClient (either may be None).
+
+    ``calls``, ``errors`` and ``latency`` (a ``Distribution.as_dict()``) sum both sides, for /metrics;
+    ``server`` details this host's experts, ``client`` the experts this peer's model called.
+    """
+    calls = errors = 0
+    histograms = []
+    for side in (server, client):
+        if side is not None:
+            side_calls, side_errors = side.totals()
+            calls, errors = calls + side_calls, errors + side_errors
+            histograms.append(side.latency)
+    called = client.status() if client is not None else None
+    return {
+        "calls": calls,
+        "errors": errors,
+        "latency": merged(histograms),
+        "server": server.status() if server is not None else None,
+        "client": called if called and (called["experts"] or called["layers"]) else None,
+    }

@@ -78,9 +78,12 @@ async def read_frame_or_eof(reader: asyncio.StreamReader, peer: str) -> bytes | 
         raise ProtocolViolation(f"{peer} sent a truncated frame length", peer_id=peer) from e
     length = int.from_bytes(head, "little")
     if length > MAX_HEADER_BYTES:
-        raise ProtocolViolation(f"{peer} announced a {length}-byte request header, above {MAX_HEADER_BYTES}",
-                                peer_id=peer)
+        raise ProtocolViolation(
+            f"{peer} announced a {length}-byte request header, above {MAX_HEADER_BYTES}", peer_id=peer
+        )
     try:
         return await reader.readexactly(length)
     except asyncio.IncompleteReadError as e:
-        raise ProtocolViolation(f"{peer} sent {len(e.partial)} of the {length} bytes of a request", peer_id=peer) from e
+        raise ProtocolViolation(
+            f"{peer} sent {len(e.partial)} of the {length} bytes of a request", peer_id=peer
+        ) from e

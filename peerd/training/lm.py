@@ -9,6 +9,11 @@ files; that changes their data, never the model.
 
 :class:`ByteTransformer` is a compact pre-LayerNorm decoder. Its feed-forward block comes from an
 ``ffn_factory(d_model, d_ff)``, so a mixture-of-experts variant can reuse everything else unchanged.
+
+The MoE variant (option ``moe``, a :class:`~peerd.config.MoEConfig`) replaces the feed-forward of blocks
+``moe.layers`` with a :class:`~peerd.experts.RemoteMoE` whose experts are served by peers; the daemon lends the
+layers its expert client through :class:`~peerd.training.tasks.TaskRuntime`. The model's own parameters are
+then the router's, never the experts'.
 """
 
 from __future__ import annotations

@@ -72,12 +72,12 @@ __all__ = [
     "BUILTIN_TASKS",
     "Batch",
     "Task",
+    "TaskRuntime",
     "build_task",
     "derive_seed",
     "parse_options",
     "seeded_module",
     "shard_for_peer",
-    "TaskRuntime",
 ]
 
 Batch: TypeAlias = Any
