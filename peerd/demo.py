@@ -83,6 +83,21 @@ def run_local_swarm(n_peers: int, config_path: Path, timeout: float = 60.0, dura
         return 0 if healthy and all(code == 0 for code in codes) else 1
 
 
+def experts_table(peers: list[PeerProcess]) -> str:
+    """One row per expert served by the peers (empty when none serves any): calls, tokens, latency, updates."""
+    rows = []
+    for peer in peers:
+        server = (peer.status().get("experts") or {}).get("server") or {}
+        for uid, info in server.get("experts", {}).items():
+            forward, backward = info.get("forward", {}), info.get("backward", {})
+            rows.append([uid, peer.name, forward.get("calls", 0), forward.get("tokens", 0),
+                         _fmt(forward.get("mean_ms"), 1), _fmt(backward.get("mean_ms"), 1),
+                         forward.get("errors", 0) + backward.get("errors", 0), info.get("updates", 0)])
+    if not rows:
+        return ""
+    return format_table(["expert", "host", "calls", "tokens", "fwd ms", "bwd ms", "errors", "updates"], rows)
+
+
 def _watch_training(peers: list[PeerProcess], duration: float, interval: float) -> bool:
     print(f"\nTraining for {duration:.0f}s (Ctrl-C stops early)", flush=True)
     first_loss: float | None = None
@@ -93,6 +108,9 @@ def _watch_training(peers: list[PeerProcess], duration: float, interval: float) 
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))  # the demo's reporting cadence
             table, reports = training_table(peers)
             print(f"\n[{time.strftime('%H:%M:%S')}]\n{table}", flush=True)
+            served = experts_table(peers)
+            if served:
+                print(served, flush=True)
             if first_loss is None:
                 first_loss = next((r["loss"] for r in reports if r.get("loss") is not None), None)
     except KeyboardInterrupt:

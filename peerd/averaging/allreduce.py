@@ -26,7 +26,7 @@ from peerd.averaging import codec
 from peerd.averaging.reducer import SpanReducer, chunk_bounds, max_payload_bytes
 from peerd.averaging.wire import frame_size, read_frame, read_message, write_frame, write_message
 from peerd.config import AveragingConfig, CodecConfig
-from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
+from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -190,8 +190,8 @@ class AllReducer:
                 # the reducer itself may wait round_timeout for a slow member before it averages a chunk
                 self.config.round_timeout + self.config.join_timeout,
             )
-        except (PeerdError, OSError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
-            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else str(e)
+        except Exception as e:  # a network boundary: hivemind raises ControlFailure, P2PHandlerError, ... too
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
             logger.warning("Round %s: reducer %s of span %d failed: %s", group.round_id, member, index, reason)
             report.excluded.setdefault(member, reason)
             report.failed_spans.append(index)

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Coroutine, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -56,7 +56,6 @@ class LayerStats:
     fallback_tokens: int = 0  # no expert answered: zero output, the residual passes the token through
     partial_tokens: int = 0  # fewer than k experts answered; gates renormalized over those that did
     no_expert_alive: int = 0  # passes in which no expert of the layer was routable at all
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -65,7 +64,6 @@ class LayerStats:
             "fallback_tokens": self.fallback_tokens,
             "partial_tokens": self.partial_tokens,
             "no_expert_alive": self.no_expert_alive,
-            **self.extra,
         }
 
 

@@ -150,7 +150,10 @@ class ExpertServer:
             try:
                 await asyncio.wait_for(self._stop.wait(), self.config.announce_period)
             except TimeoutError:
-                await self.announce()
+                try:
+                    await self.announce()
+                except Exception:  # keep announcing: a dead announcer would silently retire every expert
+                    logger.exception("Announcing the experts failed")
 
     # --- serving ----------------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from hivemind.p2p import P2P, PeerID
 
 from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
-from peerd.errors import PeerdError, ProtocolViolation, StateError
+from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -81,5 +81,5 @@ async def download_state(p2p: P2P, peer_id: str, fingerprint: str, max_bytes: in
         raise StateError(f"downloading state from {peer_id} timed out after {timeout:.0f}s", source=peer_id) from e
     except StateError:
         raise
-    except (PeerdError, ConnectionError, OSError, ValueError) as e:
-        raise StateError(f"downloading state from {peer_id} failed: {e}", source=peer_id) from e
+    except Exception as e:  # a network boundary: hivemind's ControlFailure and friends included
+        raise StateError(f"downloading state from {peer_id} failed: {type(e).__name__}: {e}", source=peer_id) from e
