@@ -38,6 +38,9 @@ def compile_protos() -> None:
 class BuildPyWithProtos(build_py):
     def run(self) -> None:
         compile_protos()
+        # setup() listed the packages before peerd/proto existed in a clean tree; add it so wheels carry it.
+        if self.packages is not None and "peerd.proto" not in self.packages:
+            self.packages.append("peerd.proto")
         super().run()
 
 

@@ -65,7 +65,9 @@ def test_three_peers_converge_to_the_optimum_with_identical_parameters(swarm: Lo
         size = report["last_round"]["group_size"]
         per_element = report["bytes_sent"] / report["rounds_ok"] / (2 * (size - 1) / size * report["parameters"])
         assert per_element < 1.2, (per_element, report)
-        checkpoint = torch.load(tmp_path / peer.name / f"ckpt-{steps:09d}.pt", weights_only=True)
+        path = tmp_path / peer.name / f"ckpt-{steps:09d}.pt"
+        wait_for(path.is_file, 30, f"{peer.name}'s checkpoint (written after validation)", 0.2)
+        checkpoint = torch.load(path, weights_only=True)
         finals.append(checkpoint["model"])
     for final in finals:
         error = (final["weight"] - task.optimum["weight"]).norm() / task.optimum["weight"].norm()
