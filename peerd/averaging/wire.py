@@ -28,9 +28,22 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | me
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> bytes:
+    frame = await _read(reader, limit, peer_id, what, eof_ok=False)
+    assert frame is not None  # eof_ok=False raises instead of returning None
+    return frame
+
+
+async def read_frame_or_eof(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> bytes | None:
+    """Like read_frame, but None when the peer closed the stream cleanly before a new frame (reused streams)."""
+    return await _read(reader, limit, peer_id, what, eof_ok=True)
+
+
+async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str, eof_ok: bool) -> bytes | None:
     try:
         length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "little")
     except asyncio.IncompleteReadError as e:
+        if eof_ok and not e.partial:
+            return None
         raise ProtocolViolation(f"{peer_id} closed the stream before sending {what}", peer_id=peer_id) from e
     if length > limit:
         raise ProtocolViolation(

@@ -26,7 +26,7 @@ from peerd.experts.batching import BatchQueue, CallResult, PendingCall
 from peerd.experts.modules import build_expert
 from peerd.experts.records import PROTOCOL_VERSION, ExpertRecord, experts_key
 from peerd.experts.stats import latency_histogram
-from peerd.experts.streams import read_frame_or_eof
+from peerd.averaging.wire import MAX_HEADER_BYTES, read_frame_or_eof
 from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
@@ -164,7 +164,7 @@ class ExpertServer:
         peer = str(getattr(info, "peer_id", "?"))
         try:
             while not self._stop.is_set():
-                header = await read_frame_or_eof(reader, peer)
+                header = await read_frame_or_eof(reader, MAX_HEADER_BYTES, peer, "request header")
                 if header is None:
                     return
                 try:

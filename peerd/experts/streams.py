@@ -15,14 +15,11 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging.wire import MAX_HEADER_BYTES
-from peerd.errors import ProtocolViolation
 
-__all__ = ["IDLE_SECONDS", "PooledStream", "StreamPool", "read_frame_or_eof"]
+__all__ = ["IDLE_SECONDS", "PooledStream", "StreamPool"]
 
 IDLE_SECONDS = 20.0  # idle streams older than this are closed rather than reused
 MAX_IDLE_PER_PEER = 16
-_LENGTH_BYTES = 8  # as in peerd.averaging.wire
 
 
 @dataclass
@@ -66,24 +63,3 @@ class StreamPool:
     def close(self) -> None:
         for peer in list(self._idle):
             self.forget(peer)
-
-
-async def read_frame_or_eof(reader: asyncio.StreamReader, peer: str) -> bytes | None:
-    """The next header frame on a served stream, or None if the caller closed the stream between calls."""
-    try:
-        head = await reader.readexactly(_LENGTH_BYTES)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise ProtocolViolation(f"{peer} sent a truncated frame length", peer_id=peer) from e
-    length = int.from_bytes(head, "little")
-    if length > MAX_HEADER_BYTES:
-        raise ProtocolViolation(
-            f"{peer} announced a {length}-byte request header, above {MAX_HEADER_BYTES}", peer_id=peer
-        )
-    try:
-        return await reader.readexactly(length)
-    except asyncio.IncompleteReadError as e:
-        raise ProtocolViolation(
-            f"{peer} sent {len(e.partial)} of the {length} bytes of a request", peer_id=peer
-        ) from e
