@@ -32,6 +32,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+import uvloop
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -129,7 +130,7 @@ class PeerdCaller:
     """This process's side: a DHT node + p2pd on an event loop thread; the layer runs on the main thread."""
 
     def __init__(self, host_maddr: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()  # the daemon, where remote MoE layers really run, uses uvloop
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.layer: RemoteMoE | None = None

@@ -312,6 +312,15 @@ class ExpertsConfig(_Section):
         "(calls that arrive while the expert computes are batched anyway).",
     )
     threads: int = Field(default=1, ge=1, le=64, description="Compute threads shared by the served experts.")
+    keep_activations_tokens: int = Field(
+        default=16384, ge=0,
+        description="Most tokens (over all served experts) whose forward activations the host keeps for the "
+        "caller's backward call, which then carries only output gradients and skips recomputing the forward "
+        "pass; the oldest are dropped first (their callers resend the inputs). 0: always recompute.",
+    )
+    keep_activations_ttl: float = Field(
+        default=60.0, gt=0, description="Seconds kept activations wait for their backward call before dropped."
+    )
     announce_period: float = Field(default=5.0, gt=0, description="Seconds between re-announcements in the DHT.")
     record_ttl: float = Field(
         default=15.0, gt=0, description="Seconds an expert's DHT record outlives its last announcement."

@@ -13,6 +13,7 @@ them into a one-line message and a non-zero exit code) can catch them in one pla
     │   └── RPCTimeout           a call to a peer did not finish in time
     ├── ProtocolViolation        a peer sent something invalid (record, tensor, message); names the peer
     │   └── CodecError           a compressed tensor payload failed validation
+    ├── ActivationsGone          an expert host no longer keeps a call's activations (resend the inputs)
     ├── AveragingError           an averaging round could not complete
     │   └── GroupFailed          the group fell apart or could not be formed in time
     ├── StateError               a checkpoint or a downloaded training state is unusable (model untouched)
@@ -75,6 +76,11 @@ class ProtocolViolation(PeerdError):
 
 class CodecError(ProtocolViolation):
     """A compressed tensor payload is malformed or inconsistent with its announced shape."""
+
+
+class ActivationsGone(PeerdError):
+    """An expert host (``peer_id``) dropped the activations a backward call referred to; not a fault: the
+    caller repeats the call with the inputs."""
 
 
 class AveragingError(PeerdError):

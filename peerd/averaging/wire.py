@@ -27,6 +27,18 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | me
     return _LENGTH_BYTES + len(data)
 
 
+async def write_frames(writer: asyncio.StreamWriter, frames: list[bytes | bytearray | memoryview]) -> int:
+    """Several frames in one write. Each write to p2pd's socket is a syscall that wakes p2pd, a libp2p
+    frame and a wake-up of the reader on the other side; a small call's header, lengths and payloads sent
+    as separate writes cost several of those round trips of scheduling instead of one."""
+    parts: list[bytes | bytearray | memoryview] = []
+    for data in frames:
+        parts += (len(data).to_bytes(_LENGTH_BYTES, "little"), data)
+    writer.writelines(parts)
+    await writer.drain()
+    return sum(_LENGTH_BYTES + len(data) for data in frames)
+
+
 async def read_frame(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> bytes:
     frame = await _read(reader, limit, peer_id, what, eof_ok=False)
     assert frame is not None  # eof_ok=False raises instead of returning None

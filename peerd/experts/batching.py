@@ -5,6 +5,10 @@ threads (after ``experts.batch_wait`` seconds, 0 by default); when the batch sta
 queued up meanwhile, up to ``experts.max_request_tokens`` tokens, so the busier the expert the larger its
 batches. Payloads are decoded and validated on the compute thread, each call on its own: one caller's
 malformed tensor fails only that call. Results go back to the event loop through futures.
+
+A forward call with a call id has its activations kept (:mod:`peerd.experts.stash`): its autograd graph when
+it was computed on its own, its inputs when it shared a batch with other callers' calls (one graph cannot be
+split between separate backward calls). A backward call by id takes them back and sends only gradients.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +25,8 @@ import torch
 from peerd.averaging import codec
 from peerd.config import CodecConfig
 from peerd.errors import CodecError
-from peerd.experts.backend import ExpertBackend, ExpertFailure
+from peerd.experts.backend import BackwardItem, ExpertBackend, ExpertFailure
+from peerd.experts.stash import ActivationStash
 from peerd.experts.workers import Job, Workers
 from peerd.proto import peerd_experts_pb2 as pb
 
@@ -43,6 +49,7 @@ class CallResult:
     message: str = ""
     payload: bytes | bytearray = b""
     batch_tokens: int = 0
+    kept: bool = False  # a forward call's activations are kept for its backward call
 
 
 @dataclass
@@ -53,6 +60,7 @@ class PendingCall:
     lossless: bool
     future: asyncio.Future[CallResult]
     received: float
+    call_id: int = 0  # forward: keep the activations under this id; backward: use those kept under it
 
 
 class BatchQueue:
@@ -65,8 +73,10 @@ class BatchQueue:
         max_batch_tokens: int,
         max_queued_tokens: int,
         wait: float,
+        stash: ActivationStash | None = None,
     ) -> None:
         self.backend = backend
+        self._stash = stash if stash is not None and stash.enabled else None
         self.phase = phase
         self._workers = workers
         self._loop = loop
@@ -145,37 +155,88 @@ class BatchQueue:
             good.append((call, tensors))
         if not good:
             return
-        inputs = torch.cat([tensors[0] for _, tensors in good])
-        tokens = inputs.shape[0]
+        owners, tokens = [call for call, _ in good], sum(call.num_tokens for call, _ in good)
         delivered = False
 
-        def deliver(results: torch.Tensor) -> None:
+        def deliver(results: list[torch.Tensor], kept: list[bool] | None = None) -> None:
             nonlocal delivered
             delivered = True
-            for (call, _), part in zip(
-                good, torch.split(results, [c.num_tokens for c, _ in good]), strict=True
-            ):
+            for i, (call, part) in enumerate(zip(owners, results, strict=True)):
                 try:
                     payload = codec.encode(part, wire_codec(call.lossless))
                 except ValueError as e:
                     self._resolve(call, CallResult(pb.EXPERT_INTERNAL_ERROR, str(e), batch_tokens=tokens))
                     continue
                 self.backend.stats[self.phase].ok(call.num_tokens, time.monotonic() - call.received)
-                self._resolve(call, CallResult(pb.EXPERT_OK, payload=payload, batch_tokens=tokens))
+                ok = CallResult(pb.EXPERT_OK, payload=payload, batch_tokens=tokens, kept=bool(kept and kept[i]))
+                self._resolve(call, ok)
 
         try:
             if self.phase == "forward":
-                deliver(self.backend.forward(inputs))
+                self._forward([tensors[0] for _, tensors in good], owners, deliver)
             else:
-                grads = torch.cat([tensors[1] for _, tensors in good])
-                self.backend.backward(inputs, grads, deliver, self._schedule_step)
+                items: list[BackwardItem] = []
+                for call, tensors in good:
+                    item = self._backward_item(call, tensors)
+                    if item is None:
+                        owners.remove(call)
+                    else:
+                        items.append(item)
+                if items:
+                    self.backend.backward(items, deliver, self._schedule_step)
         except ExpertFailure as e:
             if delivered:  # the callers have their answer; only the update after it failed
                 logger.warning("%s", e)
                 return
-            for call, _ in good:
+            for call in owners:
                 self.backend.stats[self.phase].failed(str(e))
                 self._resolve(call, CallResult(pb.EXPERT_INTERNAL_ERROR, str(e), batch_tokens=tokens))
+
+    def _forward(
+        self,
+        inputs: list[torch.Tensor],
+        calls: list[PendingCall],
+        deliver: Callable[[list[torch.Tensor], list[bool]], None],
+    ) -> None:
+        stash, uid = self._stash, self.backend.uid
+        if stash is not None and len(calls) == 1 and calls[0].call_id:
+            # a call computed on its own keeps its autograd graph: its backward skips the forward entirely
+            outputs, graph = self.backend.forward_keeping_graph(inputs[0])
+            deliver([outputs], [stash.put((uid, calls[0].peer, calls[0].call_id), inputs[0], graph)])
+            return
+        outputs = self.backend.forward(torch.cat(inputs))
+        # batched with other callers: keep the inputs only (one graph cannot be split between backward calls)
+        kept = [
+            stash is not None and call.call_id != 0 and stash.put((uid, call.peer, call.call_id), x, None)
+            for call, x in zip(calls, inputs, strict=True)
+        ]
+        deliver(list(torch.split(outputs, [call.num_tokens for call in calls])), kept)
+
+    def _backward_item(self, call: PendingCall, tensors: list[torch.Tensor]) -> BackwardItem | None:
+        """The call's share of the batch, or None after answering it (activations gone or mismatched)."""
+        if not call.call_id:
+            return BackwardItem(tensors[0], tensors[1])
+        kept = None if self._stash is None else self._stash.take((self.backend.uid, call.peer, call.call_id))
+        if kept is None:
+            self._resolve(
+                call,
+                CallResult(
+                    pb.EXPERT_ACTIVATIONS_GONE,
+                    f"activations of call {call.call_id} are not kept (any more): send the inputs with call_id 0",
+                ),
+            )
+            return None
+        if kept.tokens != call.num_tokens:
+            self.backend.stats[self.phase].failed("token count differs from its forward call")
+            self._resolve(
+                call,
+                CallResult(
+                    pb.EXPERT_BAD_REQUEST,
+                    f"call {call.call_id} was a forward of {kept.tokens} tokens, not {call.num_tokens}",
+                ),
+            )
+            return None
+        return BackwardItem(kept.inputs, tensors[0], kept.graph)
 
     def _schedule_step(self, step: Job) -> None:
         try:

@@ -23,8 +23,8 @@ import torch
 from hivemind.p2p import P2P
 
 from peerd.averaging import codec
-from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
-from peerd.errors import PeerdError, PeerUnreachable, ProtocolViolation, RPCTimeout
+from peerd.averaging.wire import read_frame, read_message, write_frames
+from peerd.errors import ActivationsGone, PeerdError, PeerUnreachable, ProtocolViolation, RPCTimeout
 from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert, experts_key
 from peerd.experts.server import HANDLER_NAME, ExpertServer, max_payload_bytes
 from peerd.experts.stats import CallStats, latency_histogram
@@ -32,7 +32,7 @@ from peerd.experts.streams import StreamPool
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
 
-__all__ = ["ExpertClient", "LayerStats"]
+__all__ = ["Answer", "ExpertClient", "LayerStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ class _Backoff:
     until: float  # time.monotonic()
     delay: float
     started_at: float  # of the record that failed; a new announcement clears the backoff
+
+
+@dataclass(frozen=True)
+class Answer:
+    result: torch.Tensor  # [num_tokens, hidden_dim]
+    kept: bool  # forward by call_id: the host keeps the activations, so the backward may send only gradients
 
 
 @dataclass
@@ -161,6 +167,8 @@ class ExpertClient:
                 reasons.append("not announced")
             elif seen.expires_at < current:
                 reasons.append(f"record expired {current - seen.expires_at:.1f}s ago")
+            elif seen.record.protocol_version != PROTOCOL_VERSION:
+                reasons.append(f"its host speaks expert protocol {seen.record.protocol_version}, not {PROTOCOL_VERSION}")
             elif seen.record.hidden_dim != hidden_dim:
                 reasons.append(f"width {seen.record.hidden_dim}, not {hidden_dim}")
             elif backoff is not None and backoff.until > clock:
@@ -198,8 +206,10 @@ class ExpertClient:
         hidden_dim: int,
         lossless: bool,
         timeout: float,
-    ) -> torch.Tensor:
-        """One call: the [num_tokens, hidden_dim] result, or raises (and the expert backs off)."""
+        call_id: int = 0,
+    ) -> Answer:
+        """One call: the [num_tokens, hidden_dim] result, or raises (and the expert backs off; not for
+        :class:`ActivationsGone`, which only asks the caller to repeat the backward call with the inputs)."""
         name = "forward" if phase == pb.EXPERT_FORWARD else "backward"
         stats = self.stats.setdefault(
             uid, {"forward": CallStats(histogram=self.latency), "backward": CallStats(histogram=self.latency)}
@@ -210,7 +220,9 @@ class ExpertClient:
         started = time.monotonic()
         try:
             result = await asyncio.wait_for(
-                self._exchange(seen.record.peer_id, uid, phase, payloads, num_tokens, hidden_dim, lossless),
+                self._exchange(
+                    seen.record.peer_id, uid, phase, payloads, num_tokens, hidden_dim, lossless, call_id
+                ),
                 timeout,
             )
         except TimeoutError:
@@ -221,6 +233,9 @@ class ExpertClient:
             ) from None
         except asyncio.CancelledError:  # the layer went on without us (grace period over): late, not failed
             stats.late += 1
+            raise
+        except ActivationsGone:
+            stats.activations_gone += 1
             raise
         except Exception as e:  # whatever went wrong, the layer goes on without this expert
             stats.failed(f"{type(e).__name__}: {e}")
@@ -252,7 +267,8 @@ class ExpertClient:
         num_tokens: int,
         hidden_dim: int,
         lossless: bool,
-    ) -> torch.Tensor:
+        call_id: int,
+    ) -> Answer:
         request = pb.ExpertRequest(
             protocol_version=PROTOCOL_VERSION,
             expert_uid=uid,
@@ -261,24 +277,28 @@ class ExpertClient:
             hidden_dim=hidden_dim,
             payload_bytes=[len(p) for p in payloads],
             lossless=lossless,
+            call_id=call_id,
         )
+        shape = (num_tokens, hidden_dim)
         if self._local is not None and peer == self.swarm.peer_id:
             result = await self._local.serve_local(request, list(payloads))
+            if result.code == pb.EXPERT_ACTIVATIONS_GONE:
+                raise ActivationsGone(result.message, peer_id=peer)
             if result.code != pb.EXPERT_OK:
                 raise ProtocolViolation(
                     f"own expert {uid} refused the call: {pb.ExpertCode.Name(result.code)} {result.message}",
                     peer_id=peer,
                 )
-            return codec.decode(result.payload, peer_id=peer, expected_shape=(num_tokens, hidden_dim)).float()
+            return Answer(codec.decode(result.payload, peer_id=peer, expected_shape=shape).float(), result.kept)
         stream = await self._streams.acquire(peer)
         while True:
             answered = False
             try:
-                await write_message(stream.writer, request)
-                for payload in payloads:
-                    await write_frame(stream.writer, payload)
+                await write_frames(stream.writer, [request.SerializeToString(), *payloads])
                 response = await read_message(stream.reader, pb.ExpertResponse, peer)
                 answered = True
+                if response.code == pb.EXPERT_ACTIVATIONS_GONE:
+                    break  # nothing follows: the stream stays usable
                 if response.code != pb.EXPERT_OK:
                     raise ProtocolViolation(
                         f"expert {uid} at {peer} refused the call: "
@@ -301,7 +321,9 @@ class ExpertClient:
                 stream.writer.close()
                 raise
             self._streams.release(peer, stream)
-            return codec.decode(data, peer_id=peer, expected_shape=(num_tokens, hidden_dim)).float()
+            return Answer(codec.decode(data, peer_id=peer, expected_shape=shape).float(), response.kept)
+        self._streams.release(peer, stream)
+        raise ActivationsGone(response.message, peer_id=peer)
 
     # --- views ------------------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ off), each token picks its top ``k``; then **one call per expert** carries every
 per token or sample), all experts concurrently. The layer proceeds once ``k_min`` experts answered for every
 token and ``grace`` seconds passed (or all answered, or ``timeout`` expired), and mixes the answers with the
 gate weights renormalized over the experts that answered. Backward: one call per expert that answered,
-carrying its tokens' inputs and output gradients; the host returns input gradients and updates the expert.
+carrying its tokens' output gradients (and the inputs too if the host did not keep the forward activations,
+see :mod:`peerd.experts.stash`); the host returns input gradients and updates the expert.
 
 Fallback: a token no expert answered for (or every expert dead) gets a **zero** output, so in a residual
 block it passes through unchanged; its router gets no gradient from it in that pass.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -27,9 +29,9 @@ from torch import nn
 
 from peerd.averaging import codec
 from peerd.config import MoEConfig
-from peerd.errors import PeerdError
+from peerd.errors import ActivationsGone, PeerdError
 from peerd.experts.batching import wire_codec
-from peerd.experts.client import ExpertClient, LayerStats
+from peerd.experts.client import Answer, ExpertClient, LayerStats
 from peerd.experts.dispatch import gather_quorum
 from peerd.experts.router import Router, load_balancing_loss, renormalize, route
 from peerd.proto import peerd_experts_pb2 as pb
@@ -43,6 +45,8 @@ _WARN_EVERY = 30.0  # seconds between warnings that a layer has no expert to cal
 
 logger = logging.getLogger(__name__)
 _FIRST_REFRESH_TIMEOUT = 15.0
+
+Plan = list[tuple[int, torch.Tensor, torch.Tensor]]  # (expert, token indices, slot indices) per called expert
 
 
 class RemoteMoE(nn.Module):
@@ -104,7 +108,9 @@ class RemoteMoE(nn.Module):
             self.last_aux_loss = self.router.proj.weight.sum() * 0.0
             return torch.zeros_like(x)
         routing = route(self.router(flat), alive, self.config.k, self.config.noise if self.training else 0.0)
-        outputs, answered = _RemoteExperts.apply(self._dummy, flat, routing.indices, self)  # type: ignore[no-untyped-call]
+        # keep the hosts' activations only if a backward pass will follow (not under no_grad, e.g. validation)
+        keep = torch.is_grad_enabled()
+        outputs, answered = _RemoteExperts.apply(self._dummy, flat, routing.indices, self, keep)  # type: ignore[no-untyped-call]
         weights = renormalize(routing.gates, answered)
         self.last_aux_loss = load_balancing_loss(routing.probs, routing.indices, int(alive.sum()))
         answers = answered.sum(dim=-1)
@@ -115,9 +121,7 @@ class RemoteMoE(nn.Module):
 
     # --- the calls, run from _RemoteExperts on the calling (worker) thread ----------------------------------
 
-    def _plan(
-        self, indices: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _plan(self, indices: torch.Tensor, mask: torch.Tensor | None = None) -> Plan:
         """(expert, token indices, slot indices) for every expert with at least one token."""
         plan = []
         for expert in torch.unique(indices).tolist():
@@ -128,32 +132,8 @@ class RemoteMoE(nn.Module):
         return plan
 
     def _call_all(
-        self,
-        phase: pb.ExpertPhase,
-        plan: list[tuple[int, torch.Tensor, torch.Tensor]],
-        tensors: list[list[torch.Tensor]],
-        num_tokens: int,
-    ) -> dict[int, torch.Tensor]:
-        lossless = self.config.wire == "raw"
-        config = wire_codec(lossless)
-        calls: list[Coroutine[Any, Any, torch.Tensor]] = []
-        for (expert, tokens, _), parts in zip(plan, tensors, strict=True):
-            try:
-                payloads = [codec.encode(t, config) for t in parts]
-            except ValueError as e:  # NaN/Inf activations: never sent; these tokens fall back for this expert
-                calls.append(_refused(f"not calling expert {self.uids[expert]}: {e}"))
-                continue
-            calls.append(
-                self.client.call(
-                    self.uids[expert],
-                    phase,
-                    payloads,
-                    tokens.numel(),
-                    self.hidden_dim,
-                    lossless,
-                    self.config.timeout,
-                )
-            )
+        self, calls: list[Coroutine[Any, Any, Answer]], plan: Plan, num_tokens: int
+    ) -> dict[int, Answer]:
         need = torch.zeros(num_tokens, dtype=torch.long)
         for _, tokens, _ in plan:
             need[tokens] += 1
@@ -163,30 +143,71 @@ class RemoteMoE(nn.Module):
         quorum = gather_quorum(calls, [tokens for _, tokens, _ in plan], need, deadline, self.config.grace)
         return self.client.run(quorum, deadline + _SLACK)
 
-    def remote_forward(self, flat: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self._plan(indices)
-        results = self._call_all(
-            pb.EXPERT_FORWARD, plan, [[flat[tokens]] for _, tokens, _ in plan], flat.shape[0]
+    def _call(
+        self, expert: int, phase: pb.ExpertPhase, parts: list[torch.Tensor], call_id: int = 0
+    ) -> Coroutine[Any, Any, Answer]:
+        lossless = self.config.wire == "raw"
+        try:
+            payloads = [codec.encode(t, wire_codec(lossless)) for t in parts]
+        except ValueError as e:  # NaN/Inf activations: never sent; these tokens fall back for this expert
+            return _refused(f"not calling expert {self.uids[expert]}: {e}")
+        uid, tokens = self.uids[expert], parts[0].shape[0]
+        return self.client.call(
+            uid, phase, payloads, tokens, self.hidden_dim, lossless, self.config.timeout, call_id
         )
+
+    def remote_forward(
+        self, flat: torch.Tensor, indices: torch.Tensor, keep: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+        """Outputs [T, k, d], which answered [T, k], and the call id of each expert that keeps activations."""
+        plan = self._plan(indices)
+        ids = [secrets.randbits(63) | 1 if keep else 0 for _ in plan]  # nonzero: keep the activations
+        calls = [
+            self._call(expert, pb.EXPERT_FORWARD, [flat[tokens]], call_id)
+            for (expert, tokens, _), call_id in zip(plan, ids, strict=True)
+        ]
+        results = self._call_all(calls, plan, flat.shape[0])
         outputs = flat.new_zeros(*indices.shape, self.hidden_dim)
         answered = torch.zeros(indices.shape, dtype=torch.bool)
-        for i, (_, tokens, slots) in enumerate(plan):
+        kept: dict[int, int] = {}
+        for i, (expert, tokens, slots) in enumerate(plan):
             if i in results:
-                outputs[tokens, slots] = results[i]
+                outputs[tokens, slots] = results[i].result
                 answered[tokens, slots] = True
-        return outputs, answered
+                if results[i].kept:
+                    kept[expert] = ids[i]
+        return outputs, answered, kept
 
     def remote_backward(
-        self, flat: torch.Tensor, indices: torch.Tensor, answered: torch.Tensor, grad_outputs: torch.Tensor
+        self,
+        flat: torch.Tensor,
+        indices: torch.Tensor,
+        answered: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        kept: dict[int, int],
     ) -> torch.Tensor:
+        # an expert that answered the forward call answered for all its tokens: same tokens, same order
         plan = self._plan(indices, answered)
-        parts = [[flat[tokens], grad_outputs[tokens, slots]] for _, tokens, slots in plan]
-        results = self._call_all(pb.EXPERT_BACKWARD, plan, parts, flat.shape[0])
+        calls = [
+            self._backward_call(expert, flat[tokens], grad_outputs[tokens, slots], kept.get(expert, 0))
+            for expert, tokens, slots in plan
+        ]
+        results = self._call_all(calls, plan, flat.shape[0])
         grad_inputs = torch.zeros_like(flat)
         for i, (_, tokens, _) in enumerate(plan):
             if i in results:
-                grad_inputs.index_add_(0, tokens, results[i])
+                grad_inputs.index_add_(0, tokens, results[i].result)
         return grad_inputs
+
+    async def _backward_call(
+        self, expert: int, inputs: torch.Tensor, grads: torch.Tensor, call_id: int
+    ) -> Answer:
+        if call_id:
+            try:  # the host kept this call's activations: send only the output gradients
+                return await self._call(expert, pb.EXPERT_BACKWARD, [grads], call_id)
+            except ActivationsGone:
+                pass  # dropped on the host (budget or age): send the inputs as well
+        return await self._call(expert, pb.EXPERT_BACKWARD, [inputs, grads])
 
     def extra_repr(self) -> str:
         return (
@@ -194,7 +215,7 @@ class RemoteMoE(nn.Module):
         )
 
 
-async def _refused(reason: str) -> torch.Tensor:
+async def _refused(reason: str) -> Answer:
     raise PeerdError(reason)
 
 
@@ -203,11 +224,12 @@ class _RemoteExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, dummy: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor, layer: RemoteMoE
+        ctx: Any, dummy: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor, layer: RemoteMoE, keep: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         flat = flat.detach()
-        outputs, answered = layer.remote_forward(flat, indices)
+        outputs, answered, kept = layer.remote_forward(flat, indices, keep)
         ctx.layer = layer
+        ctx.kept = kept
         ctx.save_for_backward(flat, indices, answered)
         ctx.mark_non_differentiable(answered)
         return outputs, answered
@@ -215,7 +237,7 @@ class _RemoteExperts(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_outputs: torch.Tensor, _: Any
-    ) -> tuple[None, torch.Tensor | None, None, None]:
+    ) -> tuple[None, torch.Tensor | None, None, None, None]:
         flat, indices, answered = ctx.saved_tensors
-        grad_inputs = ctx.layer.remote_backward(flat, indices, answered, grad_outputs.contiguous())
-        return None, grad_inputs if ctx.needs_input_grad[1] else None, None, None
+        grad_inputs = ctx.layer.remote_backward(flat, indices, answered, grad_outputs.contiguous(), ctx.kept)
+        return None, grad_inputs if ctx.needs_input_grad[1] else None, None, None, None

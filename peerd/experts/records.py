@@ -25,7 +25,7 @@ from peerd.swarm.records import MAX_MADDRS, PeerIdStr
 __all__ = ["ExpertReader", "ExpertRecord", "SeenExpert", "experts_key", "parse_expert_record"]
 
 SCHEMA_ID = "peerd.v1.ExpertRecord"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # of protocols/peerd_experts.proto
 
 logger = logging.getLogger(__name__)
 

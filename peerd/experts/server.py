@@ -18,15 +18,15 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 
 from peerd.averaging.codec import HEADER
-from peerd.averaging.wire import read_frame, write_frame, write_message
+from peerd.averaging.wire import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, write_frames
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
 from peerd.experts.backend import ExpertBackend
 from peerd.experts.batching import BatchQueue, CallResult, PendingCall
 from peerd.experts.modules import build_expert
 from peerd.experts.records import PROTOCOL_VERSION, ExpertRecord, experts_key
+from peerd.experts.stash import ActivationStash
 from peerd.experts.stats import latency_histogram
-from peerd.averaging.wire import MAX_HEADER_BYTES, read_frame_or_eof
 from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
@@ -68,6 +68,7 @@ class ExpertServer:
             for stats in backend.stats.values():
                 stats.histogram = self.latency
         self._workers = Workers(config.threads)
+        self.stash = ActivationStash(config.keep_activations_tokens, config.keep_activations_ttl)
         loop = asyncio.get_running_loop()
         self._queues = {
             (uid, phase): BatchQueue(
@@ -78,6 +79,7 @@ class ExpertServer:
                 config.max_request_tokens,
                 config.max_queued_tokens,
                 config.batch_wait,
+                self.stash,
             )
             for uid, backend in backends.items()
             for phase in ("forward", "backward")
@@ -175,20 +177,22 @@ class ExpertServer:
                     ) from e
                 result = await self._serve(peer, request, reader)
                 backend = self.backends.get(request.expert_uid)
-                await write_message(
-                    writer,
-                    pb.ExpertResponse(
-                        code=result.code,
-                        message=result.message[:1000],
-                        payload_bytes=len(result.payload),
-                        batch_tokens=result.batch_tokens,
-                        updates=backend.updates if backend else 0,
-                    ),
+                response = pb.ExpertResponse(
+                    code=result.code,
+                    message=result.message[:1000],
+                    payload_bytes=len(result.payload),
+                    batch_tokens=result.batch_tokens,
+                    updates=backend.updates if backend else 0,
+                    kept=result.kept,
                 )
+                if result.code == pb.EXPERT_ACTIVATIONS_GONE:  # payload read, stream in step: keep serving
+                    await write_frames(writer, [response.SerializeToString()])
+                    continue
                 if result.code != pb.EXPERT_OK:
+                    await write_frames(writer, [response.SerializeToString()])
                     self._log_refusal(peer, result)
                     return  # unread payload frames may follow a refused header: this stream is done
-                await write_frame(writer, result.payload)
+                await write_frames(writer, [response.SerializeToString(), result.payload])
         except ProtocolViolation as e:
             self.rejected += 1
             self.last_rejection = str(e)[:300]
@@ -243,7 +247,9 @@ class ExpertServer:
         if self._stop.is_set():
             return CallResult(pb.EXPERT_SHUTTING_DOWN, "the expert host is shutting down")
         future: asyncio.Future[CallResult] = asyncio.get_running_loop().create_future()
-        call = PendingCall(peer, request.num_tokens, payloads, request.lossless, future, time.monotonic())
+        call = PendingCall(
+            peer, request.num_tokens, payloads, request.lossless, future, time.monotonic(), request.call_id
+        )
         if not self._queues[(request.expert_uid, phase)].submit(call):
             self.backends[request.expert_uid].stats[phase].failed("overloaded")
             return CallResult(
@@ -272,8 +278,11 @@ class ExpertServer:
         if request.phase not in PHASES:
             return bad(f"phase {request.phase} is neither EXPERT_FORWARD nor EXPERT_BACKWARD")
         phase, payloads = PHASES[request.phase]
+        if request.phase == pb.EXPERT_BACKWARD and request.call_id:
+            payloads = 1  # the output gradients; the inputs are the host's kept activations
         if len(request.payload_bytes) != payloads:
-            return bad(f"a {phase} call carries {payloads} tensors, not {len(request.payload_bytes)}")
+            kind = f"{phase} call" + (" by call_id" if request.call_id and phase == "backward" else "")
+            return bad(f"a {kind} carries {payloads} tensors, not {len(request.payload_bytes)}")
         if not 1 <= request.num_tokens <= self.config.max_request_tokens:
             return bad(
                 f"num_tokens {request.num_tokens} outside 1..{self.config.max_request_tokens} "
@@ -293,6 +302,7 @@ class ExpertServer:
             "hidden_dim": self.config.hidden_dim,
             "module": self.config.module,
             "rejected_calls": self.rejected,
+            "kept_activations": self.stash.status(),
             "last_rejection": self.last_rejection,
             "experts": {uid: backend.status() for uid, backend in self.backends.items()},
         }

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
-
 __all__ = ["IDLE_SECONDS", "PooledStream", "StreamPool"]
 
 IDLE_SECONDS = 20.0  # idle streams older than this are closed rather than reused

@@ -19,6 +19,7 @@ from peerd.averaging import codec
 from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
 from peerd.errors import ProtocolViolation
 from peerd.experts.batching import wire_codec
+from peerd.experts.records import PROTOCOL_VERSION
 from peerd.experts.server import HANDLER_NAME
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
@@ -129,6 +130,8 @@ def test_moe_lm_learns_with_two_expert_hosts_and_survives_losing_one(swarm: Loca
             assert served[uid]["forward"]["calls"] > 0 and served[uid]["forward"]["errors"] == 0
             # one call per (expert, pass) carries many tokens: never one call per token or sample
             assert served[uid]["forward"]["tokens"] >= 20 * served[uid]["forward"]["calls"]
+            # backward calls went through the activations kept from their forward calls (no recompute)
+            assert served[uid]["backward_from_kept_graph"] > 0, served[uid]
     layer = experts(trainer)["client"]["layers"]["ffn.1"]
     # a first call may be slow on a loaded machine (and time out), but tokens rarely lack every expert
     assert layer["fallback_tokens"] <= 0.1 * layer["tokens"], (sorted(layer.items()), trainer.log_tail(40))
@@ -199,7 +202,8 @@ def _request(
     tokens: int = 4,
     hidden: int = HIDDEN,
     frames: list[bytes] | None = None,
-    version: int = 1,
+    version: int = PROTOCOL_VERSION,
+    call_id: int = 0,
 ) -> pb.ExpertRequest:
     return pb.ExpertRequest(
         protocol_version=version,
@@ -209,6 +213,7 @@ def _request(
         hidden_dim=hidden,
         payload_bytes=[len(f) for f in frames or []],
         lossless=True,
+        call_id=call_id,
     )
 
 
@@ -249,6 +254,13 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(sw
             pb.EXPERT_BAD_REQUEST,
             "2 tensors",
         ),
+        (
+            "backward by id, with inputs",
+            _request(phase=pb.EXPERT_BACKWARD, frames=[good, good], call_id=3),
+            [good, good],
+            pb.EXPERT_BAD_REQUEST,
+            "by call_id carries 1 tensors",
+        ),
         ("NaN input", _request(frames=[nan]), [nan], pb.EXPERT_BAD_PAYLOAD, "NaN"),
         (
             "NaN gradient",
@@ -262,7 +274,7 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(sw
         (
             "oversized frame",
             pb.ExpertRequest(
-                protocol_version=1,
+                protocol_version=PROTOCOL_VERSION,
                 expert_uid="ffn.1.0",
                 phase=pb.EXPERT_FORWARD,
                 num_tokens=4,
@@ -291,6 +303,10 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(sw
             assert response is not None and response.code == pb.EXPERT_OK, response
             assert codec.decode(data, peer_id=host.peer_id).shape == (4, HIDDEN)
             grad = _tensor(4)
+            # a backward by an id the host never kept activations for: not an error, "send the inputs"
+            gone = _request(phase=pb.EXPERT_BACKWARD, frames=[grad], call_id=99)
+            response, _ = await _raw_call(p2p, host.peer_id, gone, [grad])
+            assert response is not None and response.code == pb.EXPERT_ACTIVATIONS_GONE, response
             response, data = await _raw_call(
                 p2p, host.peer_id, _request(phase=pb.EXPERT_BACKWARD, frames=[good, grad]), [good, grad]
             )

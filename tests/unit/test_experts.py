@@ -14,7 +14,7 @@ import torch
 from peerd.averaging import codec
 from peerd.config import ExpertsConfig, MoEConfig, TaskConfig
 from peerd.errors import ConfigError, ProtocolViolation
-from peerd.experts.backend import ExpertBackend
+from peerd.experts.backend import BackwardItem, ExpertBackend
 from peerd.experts.batching import BatchQueue, CallResult, PendingCall, wire_codec
 from peerd.experts.dispatch import gather_quorum
 from peerd.experts.layer import RemoteMoE
@@ -319,7 +319,8 @@ def test_optimizer_steps_run_after_the_answer_and_never_pile_up() -> None:
     answers: list[torch.Tensor] = []
     x = torch.randn(4, 8)
     for _ in range(4):
-        backend.backward(x, torch.ones_like(x), answers.append, steps.append)  # steps queued, never run
+        item = BackwardItem(x, torch.ones_like(x))
+        backend.backward([item], answers.extend, steps.append)  # steps queued, never run
     assert len(answers) == 4 and all(a.shape == x.shape for a in answers)
     assert backend.updates == 2  # with 2 steps owed, each further backward first applied the oldest one
     for step in steps:
