@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from peerd.averaging.codec import all_finite
 from peerd.config import ExpertsConfig
 from peerd.experts.stash import Graph
 from peerd.experts.stats import CallStats
 
-__all__ = ["MAX_PENDING_STEPS", "BackwardItem", "ExpertBackend", "ExpertFailure", "all_finite"]
+__all__ = ["MAX_PENDING_STEPS", "BackwardItem", "ExpertBackend", "ExpertFailure"]
 
 # Optimizer steps an expert may owe before its next backward batch applies them first (bounds staleness).
 MAX_PENDING_STEPS = 2
@@ -41,16 +42,6 @@ class BackwardItem:
 
 class ExpertFailure(Exception):
     """The expert itself failed on a batch (non-finite output or gradient, or an error in its module)."""
-
-
-def all_finite(tensors: list[torch.Tensor | None]) -> bool:
-    """True if no tensor holds NaN or Inf. A finite sum proves every element finite (NaN and Inf propagate
-    through it) at a twentieth of the cost of ``isfinite(t).all()`` on a parameter-sized gradient; only a sum
-    that is not finite (a real NaN/Inf, or finite values whose sum overflows) needs the exact check."""
-    present = [t for t in tensors if t is not None and t.numel()]
-    if not present or bool(torch.stack([t.sum() for t in present]).isfinite().all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in present)
 
 
 def _optimizer(config: ExpertsConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -117,7 +108,7 @@ class ExpertBackend:
         with self._lock:
             usable = [item.graph is not None and item.graph.version == self.updates for item in items]
             again = [item for item, ok in zip(items, usable, strict=True) if not ok]
-            self.optimizer.zero_grad(set_to_none=True)
+            self._clear_grads()
             roots: list[torch.Tensor] = []
             grads_out: list[torch.Tensor] = []
             x = None
@@ -141,7 +132,7 @@ class ExpertBackend:
                     results.append(None if x is None or x.grad is None else x.grad[offset : offset + rows])
                     offset += rows
             grads = [p.grad for p in self.params]
-            self.optimizer.zero_grad(set_to_none=True)
+            self._clear_grads()
             if any(r is None for r in results) or not all_finite([*results, *grads]):
                 self.skipped_updates += 1
                 raise ExpertFailure(f"expert {self.uid} produced non-finite gradients; update skipped")
@@ -157,6 +148,11 @@ class ExpertBackend:
             self.apply_pending_step()
         else:
             schedule_step(self.apply_pending_step)
+
+    def _clear_grads(self) -> None:
+        # Optimizer.zero_grad wraps this loop in profiler and dynamo hooks that cost more than the loop itself
+        for param in self.params:
+            param.grad = None
 
     def _count(self, phase: str, tokens: int) -> None:
         self.batches[phase] += 1
@@ -174,7 +170,7 @@ class ExpertBackend:
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._clear_grads()
         self.updates += 1
 
     def _run(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peerd.averaging import ErrorFeedback, Scheme, decode, encode, encode_with_feedback
-from peerd.averaging.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION
+from peerd.averaging.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION, all_finite
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 
@@ -375,3 +375,14 @@ def test_error_feedback_disabled_is_plain_encode() -> None:
     off = CodecConfig(block_size=BLOCK, error_feedback=False)
     assert encode_with_feedback(feedback, "k", x, off) == encode(x, off)
     assert len(feedback) == 0
+
+
+def test_all_finite_is_exact_even_when_a_sum_overflows() -> None:
+    assert all_finite([]) and all_finite([torch.empty(0), None])
+    assert all_finite([torch.full((4,), 3e38)])  # the fp32 sum overflows; every value is finite
+    assert all_finite([torch.full((8,), 60000.0, dtype=torch.float16)])
+    for bad in (math.nan, math.inf, -math.inf):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            t = torch.ones(1000, dtype=dtype)
+            t[517] = bad
+            assert not all_finite([torch.ones(3), t]), (bad, dtype)
