@@ -1,12 +1,23 @@
 """Convergence: the LM task trained by 3 local peers with 8-bit + error feedback vs lossless fp32 averaging.
 
-Both runs see the same number of samples: the same number of global steps of ``target_batch_size``
-samples, same seeds and shards, all peers waiting for each other before the first step. Which peer
-contributes how many of a step's samples depends on timing, so single runs differ by a few percent even
-with identical settings: the runs alternate between the two settings and the table reports the mean and
-spread over ``--repeats`` runs of each, then the ratio of the means (target: 8-bit within 1% of fp32).
+Both settings must see exactly the same samples, or the comparison measures timing instead of the codec.
+In peerd's default mode a peer contributes whatever it accumulated when the swarm reached
+``target_batch_size``, so which peer adds how many samples to a step depends on CPU scheduling, and two fp32
+runs of one config ended +-1.5% apart: more than the 1% the target asks to resolve. So the peers run in
+lockstep mode (``training.samples_per_step``, peerd/training/lockstep.py): each contributes exactly
+``--samples-per-step`` samples from its seeded shard (``training.task.shard_index`` = its index) to every
+global step, waits for the others, and the group is ordered by shard, so every run of a setting averages
+the same gradients the same way. All peers wait for each other before the first step
+(``training.wait_for_peers``). What is left is floating-point summation order inside the all-reduce (a
+reducer adds contributions as they arrive), so the table reports the fp32 runs' own spread: the 8-bit vs
+fp32 difference means something only well above it. ``--timing`` runs the default mode instead, to see
+the spread it has.
 
-Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 3]
+A run whose rounds did not all include every peer (a peer left out by matchmaking, a solo step, a state
+sync) is flagged: it is no longer deterministic.
+
+Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 2]
+     [--samples-per-step 32] [--timing]
 """
 
 from __future__ import annotations
@@ -16,16 +27,22 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from peerd.launcher import LocalSwarm, wait_for
 from peerd.tables import format_table
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lm.yaml"
+FP32, EIGHT_BIT = "fp32 (lossless)", "8-bit + error feedback"
+SETTINGS = {
+    FP32: ["-o", "averaging.codec.lossless=true"],
+    EIGHT_BIT: [],
+}
 
 
-def run(label: str, peers: int, steps: int, extra: list[str]) -> dict[str, float]:
+def run(label: str, peers: int, steps: int, mode: list[str], extra: list[str]) -> dict[str, Any]:
     args = ["-o", f"training.max_steps={steps}", "-o", f"training.validation_every={steps}",
-            "-o", f"training.wait_for_peers={peers}", *extra]
+            "-o", f"training.wait_for_peers={peers}", *mode, *extra]
     started = time.monotonic()
     with LocalSwarm(CONFIG, log_dir=Path(tempfile.mkdtemp(prefix=f"peerd-conv-{label}-")), extra_args=args) as swarm:
         for index in range(peers):
@@ -43,44 +60,65 @@ def run(label: str, peers: int, steps: int, extra: list[str]) -> dict[str, float
         reports = [p.status()["training"] for p in swarm.peers]
         swarm.stop()
     losses = [r["validation_loss"] for r in reports]
+    full = min(int(r.get("group_sizes", {}).get(str(peers), 0)) for r in reports)
     return {
         "val_loss": sum(losses) / len(losses),
         "val_spread": max(losses) - min(losses),
-        "rounds": sum(r["rounds_ok"] for r in reports) / len(reports),
+        "full_rounds": full,  # rounds that averaged every peer, on the peer with the fewest
+        "deterministic": full == steps and all(r["rounds_solo"] == 0 and r["state_syncs"] == 0 for r in reports),
         "mib_sent": sum(r["bytes_sent"] for r in reports) / len(reports) / 2**20,
         "seconds": time.monotonic() - started,
+        "log_dir": str(swarm.log_dir),
     }
 
 
-SETTINGS = {
-    "fp32 (lossless)": ["-o", "averaging.codec.lossless=true"],
-    "8-bit + error feedback": [],
-}
+def relative_spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.mean(values)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--samples-per-step", type=int, default=32,
+                        help="each peer's share of a global step (whole micro-batches of 16 sequences)")
+    parser.add_argument("--timing", action="store_true",
+                        help="peerd's default mode instead of lockstep: shares depend on timing")
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
+    if args.timing:
+        mode = ["-o", f"training.target_batch_size={args.samples_per_step * args.peers}"]
+        mode_text = f"default mode, target_batch_size {args.samples_per_step * args.peers}"
+    else:
+        mode = ["-o", f"training.samples_per_step={args.samples_per_step}"]
+        mode_text = f"lockstep, {args.samples_per_step} sequences per peer per step"
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
     for repeat in range(args.repeats):
         for name, extra in SETTINGS.items():
-            runs[name].append(run(f"{name.split()[0]}-{repeat}", args.peers, args.steps, extra))
-            print(f"  {name} run {repeat + 1}: final val loss {runs[name][-1]['val_loss']:.4f}", flush=True)
+            result = run(f"{name.split()[0]}-{repeat}", args.peers, args.steps, mode, extra)
+            runs[name].append(result)
+            flag = "" if result["deterministic"] or args.timing else (
+                f"  NOT DETERMINISTIC: only {result['full_rounds']} of {args.steps} rounds averaged every peer "
+                f"(logs: {result['log_dir']})")
+            print(f"  {name} run {repeat + 1}: final val loss {result['val_loss']:.6f} "
+                  f"({result['seconds']:.0f} s){flag}", flush=True)
     rows = []
     for name, results in runs.items():
         losses = [r["val_loss"] for r in results]
-        rows.append([name, f"{statistics.mean(losses):.4f}", f"{min(losses):.4f}..{max(losses):.4f}",
-                     f"{max(r['val_spread'] for r in results):.1e}", f"{statistics.mean(r['rounds'] for r in results):.0f}",
-                     f"{statistics.mean(r['mib_sent'] for r in results):.1f}"])
-    print(f"\nLM task, {args.peers} peers, {args.steps} global steps per run (same samples seen), {args.repeats} runs each")
-    print(format_table(["averaging", "mean final val loss", "range", "max spread across peers",
-                        "averaged rounds", "MiB sent/peer"], rows))
-    base = statistics.mean(r["val_loss"] for r in runs["fp32 (lossless)"])
-    ours = statistics.mean(r["val_loss"] for r in runs["8-bit + error feedback"])
-    print(f"\n8-bit / fp32 mean final validation loss: {ours / base:.4f} ({(ours / base - 1) * 100:+.2f}%)")
+        rows.append([
+            name, f"{statistics.mean(losses):.5f}", " ".join(f"{x:.6f}" for x in losses),
+            f"{relative_spread(losses):.1e}", f"{max(r['val_spread'] for r in results):.1e}",
+            f"{min(r['full_rounds'] for r in results)}/{args.steps}",
+            f"{statistics.mean(r['mib_sent'] for r in results):.1f}",
+        ])
+    print(f"\nLM task, {args.peers} peers, {args.steps} global steps per run ({mode_text}), {args.repeats} runs each")
+    print(format_table(["averaging", "mean final val loss", "per-run final val loss", "run-to-run spread (rel.)",
+                        "max spread across peers", "rounds with all peers", "MiB sent/peer"], rows))
+    base = statistics.mean(r["val_loss"] for r in runs[FP32])
+    ours = statistics.mean(r["val_loss"] for r in runs[EIGHT_BIT])
+    fp32_spread = relative_spread([r["val_loss"] for r in runs[FP32]])
+    print(f"\n8-bit / fp32 mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "
+          f"fp32 run-to-run spread {fp32_spread * 100:.3f}% (target: 8-bit within 1% of fp32)")
 
 
 if __name__ == "__main__":

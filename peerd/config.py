@@ -239,7 +239,25 @@ class TrainingConfig(_Section):
     momentum: float = Field(default=0.0, ge=0, lt=1, description="SGD momentum.")
     weight_decay: float = Field(default=0.0, ge=0, description="Weight decay.")
     target_batch_size: int = Field(
-        default=256, ge=1, description="Samples summed over the swarm's peers per global optimizer step."
+        default=256, ge=1,
+        description="Samples summed over the swarm's peers per global optimizer step (unused when "
+        "samples_per_step is set).",
+    )
+    samples_per_step: int | None = Field(
+        default=None, ge=1,
+        description="Lockstep mode: this peer contributes exactly this many samples (whole micro-batches: a "
+        "multiple of the task's batch_size) to every global step, then stops computing and waits until every "
+        "trainer at its step (or finishing the previous one) has its share too, at most lockstep_timeout; the "
+        "global batch is samples_per_step times the trainers at the step. Group members are ordered by data "
+        "shard, so with explicit training.task.shard_index values two runs of the same config see the same "
+        "samples and average them the same way. null: contribute whatever was accumulated when the swarm "
+        "reached target_batch_size (faster peers contribute more; results depend on timing).",
+    )
+    lockstep_timeout: float = Field(
+        default=60.0, gt=0,
+        description="Lockstep mode: seconds a peer that has its samples_per_step waits for the others' before "
+        "averaging with those that have theirs (a dead peer also drops out once its progress record expires, "
+        "after progress_ttl).",
     )
     max_steps: int | None = Field(default=None, ge=1, description="Stop training (keep serving) after this step.")
     wait_for_peers: int = Field(
@@ -264,6 +282,13 @@ class TrainingConfig(_Section):
             raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
         if self.progress_ttl <= self.progress_period:
             raise ValueError("training.progress_ttl must exceed training.progress_period: raise progress_ttl")
+        if self.samples_per_step is not None and self.lockstep_timeout <= self.progress_period:
+            # peers learn that the others are done through progress records, refreshed this often
+            raise ValueError(
+                f"training.lockstep_timeout ({self.lockstep_timeout}) must exceed training.progress_period "
+                f"({self.progress_period}), or lockstep peers stop waiting before they could see each other: "
+                "raise training.lockstep_timeout"
+            )
         return self
 
 

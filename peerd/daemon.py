@@ -91,7 +91,8 @@ class Daemon:
         logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
                     task_config.num_shards)
         self.trainer = CollaborativeTrainer(
-            self.config.training, self.config.averaging, task, self.swarm, self._p2p, self.config.run_name
+            self.config.training, self.config.averaging, task, self.swarm, self._p2p, self.config.run_name,
+            shard_index=shard,
         )
         await self.trainer.start()
 

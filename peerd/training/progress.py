@@ -31,6 +31,8 @@ class ProgressRecord(BaseModel):
     samples: int = Field(ge=0, description="Samples accumulated towards the next step.")
     samples_per_second: float = Field(ge=0, allow_inf_nan=False, description="Recent local throughput.")
     time: float = Field(ge=0, allow_inf_nan=False, description="DHT time of publication.")
+    # Optional, so records of peers that predate it stay valid; lockstep mode orders group members by it.
+    shard: int | None = Field(default=None, ge=0, description="The data shard this peer reads.")
 
 
 @dataclass
@@ -56,18 +58,21 @@ class SwarmProgress:
 
 
 class ProgressTracker:
-    def __init__(self, swarm: SwarmNode, run_name: str, fingerprint: str, ttl: float) -> None:
+    def __init__(
+        self, swarm: SwarmNode, run_name: str, fingerprint: str, ttl: float, shard: int | None = None
+    ) -> None:
         self.swarm = swarm
         self.key = f"{run_name}.progress"
         self.fingerprint = fingerprint
         self.ttl = ttl
+        self.shard = shard
         self.view = SwarmProgress()
         self._warned: dict[str, float] = {}
 
     async def publish(self, step: int, samples: int, samples_per_second: float) -> None:
         record = ProgressRecord(
             peer_id=self.swarm.peer_id, fingerprint=self.fingerprint, step=step, samples=samples,
-            samples_per_second=round(max(0.0, samples_per_second), 3), time=now(),
+            samples_per_second=round(max(0.0, samples_per_second), 3), time=now(), shard=self.shard,
         )
         try:
             await self.swarm.store(self.key, self.swarm.peer_id, record.model_dump(), record.time + self.ttl)

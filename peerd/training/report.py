@@ -33,6 +33,7 @@ class TrainingReport:
     peers_training: int = 0
     rounds_ok: int = 0
     rounds_solo: int = 0
+    group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -64,8 +65,10 @@ class TrainingReport:
         self.samples_per_second = sum(n for _, n in self._window) / busy if busy > 0 else 0.0
         self._note_validation()
 
-    def record_round(self, report: RoundReport) -> None:
+    def record_round(self, report: RoundReport, samples: int | None = None) -> None:
+        """``samples``: what this peer contributed to the round (its weight in the average)."""
         self.rounds_ok += 1
+        self.group_sizes[report.group_size] = self.group_sizes.get(report.group_size, 0) + 1
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
         self.record_traffic("gradients", report.bytes_sent, report.bytes_received)
@@ -73,6 +76,7 @@ class TrainingReport:
         self.last_round = {
             "step": self.step,
             "group_size": report.group_size,
+            "samples": samples,
             "duration": round(report.duration, 3),
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
@@ -129,6 +133,7 @@ class TrainingReport:
             "peers_training": self.peers_training,
             "rounds_ok": self.rounds_ok,
             "rounds_solo": self.rounds_solo,
+            "group_sizes": {str(size): count for size, count in sorted(self.group_sizes.items())},
             "state_syncs": self.state_syncs,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,

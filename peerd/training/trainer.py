@@ -2,11 +2,12 @@
 
 Runs on the daemon's event loop; every torch computation (forward/backward, codec work, optimizer step)
 goes to a worker thread so the control endpoint answers while a step runs. One optimizer step happens
-per global step, when the swarm has accumulated ``target_batch_size`` samples; the gradient applied is the
-sample-weighted mean over the group, so every member applies the same update. Parameters and optimizer
-state are averaged losslessly every ``state_averaging_every`` steps so peers that missed a round converge
-back. A peer that finds the swarm ahead of it downloads the current state instead of training on stale
-parameters.
+per global step, when the swarm has accumulated ``target_batch_size`` samples (in lockstep mode, when
+every peer at the step has its ``samples_per_step``: :mod:`peerd.training.lockstep`); the gradient applied
+is the sample-weighted mean over the group, so every member applies the same update. Parameters and
+optimizer state are averaged losslessly every ``state_averaging_every`` steps so peers that missed a round
+converge back. A peer that finds the swarm ahead of it downloads the current state instead of training on
+stale parameters.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from collections.abc import Iterator
 import torch
 from hivemind.p2p import P2P
 
-from peerd.averaging.allreduce import AllReducer
+from peerd.averaging.allreduce import AllReducer, Group
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
-from peerd.errors import GroupFailed, PeerdError, StateError
+from peerd.errors import ConfigError, GroupFailed, PeerdError, StateError
 from peerd.swarm.node import SwarmNode
+from peerd.training import lockstep
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.progress import ProgressTracker
 from peerd.training.report import TrainingReport
@@ -32,6 +34,10 @@ from peerd.training.sync import StateServer, download_state
 from peerd.training.tasks import Batch, Task
 
 logger = logging.getLogger(__name__)
+
+# Seconds between progress reads while a lockstep peer waits for the others' shares (the matchmaker polls
+# the DHT at the same pace).
+LOCKSTEP_POLL = 0.1
 
 
 def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -46,9 +52,13 @@ def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.opti
 class CollaborativeTrainer:
     def __init__(
         self, config: TrainingConfig, averaging: AveragingConfig, task: Task, swarm: SwarmNode, p2p: P2P,
-        run_name: str,
+        run_name: str, shard_index: int | None = None,
     ) -> None:
+        """``shard_index``: the data shard ``task`` reads, published so lockstep groups can be ordered by it."""
         self.config = config
+        self.lockstep = config.samples_per_step
+        if self.lockstep is not None:
+            lockstep.micro_batches_per_step(self.lockstep, task.batch_size)
         self.task = task
         self.swarm = swarm
         self.p2p = p2p
@@ -57,7 +67,7 @@ class CollaborativeTrainer:
         self.optimizer = make_optimizer(config, self.model)
         self.numel = sum(p.numel() for p in self.params)
         self.prefix = f"{run_name}.{task.fingerprint}"
-        self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl)
+        self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl, shard_index)
         self.matchmaker = Matchmaker(swarm, averaging)
         self.reducer = AllReducer(p2p, averaging)
         self.lossless = averaging.codec.model_copy(update={"lossless": True, "error_feedback": False})
@@ -104,11 +114,19 @@ class CollaborativeTrainer:
                     self.report.state = "idle"
                     await stop.wait()
                     break
-                self.report.state = "training"
-                await self._micro_step()
+                if self.lockstep is None or self.samples < self.lockstep:
+                    self.report.state = "training"
+                    await self._micro_step()
                 view = self.progress.view
-                if view.max_step > self.step and self.config.sync_state_on_join:
-                    await self._sync_from_swarm()
+                behind = view.max_step > self.step and self.config.sync_state_on_join
+                # in lockstep a failed sync goes on to this step's round: its share is already complete
+                if behind and (await self._sync_from_swarm() or self.lockstep is None):
+                    continue
+                if self.lockstep is not None:
+                    if self.samples >= self.lockstep:
+                        expected = await self._wait_in_lockstep(self.lockstep, stop)
+                        if not stop.is_set():
+                            await self._global_step(expected)
                     continue
                 others = sum(p.samples for peer, p in view.peers.items()
                              if p.step == self.step and peer != self.swarm.peer_id)
@@ -137,6 +155,47 @@ class CollaborativeTrainer:
         loss, samples = await asyncio.to_thread(self._forward_backward, batch)
         self.samples += samples
         self.report.record_loss(loss, samples, time.monotonic() - started)
+        if self.lockstep is not None and self.samples > self.lockstep:
+            raise ConfigError(
+                f"the task yielded a micro-batch of {samples} samples, not its batch_size ({self.task.batch_size}), "
+                f"so this peer's share overshot {lockstep.OPTION} ({self.lockstep}); lockstep mode needs "
+                f"micro-batches of batch_size samples: unset {lockstep.OPTION} for this task",
+                field=lockstep.OPTION,
+            )
+
+    async def _wait_in_lockstep(self, samples_per_step: int, stop: asyncio.Event) -> int:
+        """Waits (bounded) until every trainer at this step, or finishing the previous one, has its share;
+        returns how many trainers at this step have theirs, this one included (the expected group size)."""
+        self.report.state = "waiting"
+        await self._publish()  # the others may be waiting for exactly this record
+        me = self.swarm.peer_id
+        deadline = time.monotonic() + self.config.lockstep_timeout
+        while True:
+            view = await self.progress.refresh()
+            missing = lockstep.waiting_for(view, me, self.step, samples_per_step)
+            if not missing or stop.is_set():
+                break
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "Step %d: %s did not complete %d samples within training.lockstep_timeout (%.0fs); averaging "
+                    "without them", self.step, ", ".join(missing), samples_per_step, self.config.lockstep_timeout,
+                )
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), LOCKSTEP_POLL)
+            except asyncio.TimeoutError:
+                pass
+        return lockstep.ready_at(view, me, self.step, samples_per_step)
+
+    async def _ordered(self, group: Group) -> Group:
+        """In lockstep mode, the group's members in shard order (the same ranks in every run); else as is."""
+        if self.lockstep is None:
+            return group
+        records = self.progress.view.peers
+        if not set(group.members) <= set(records):
+            # a member registered after our last read; its record was stored before its registration
+            records = (await self.progress.refresh()).peers
+        return Group(group.round_id, lockstep.canonical_order(group.members, records))
 
     def _forward_backward(self, batch: Batch) -> tuple[float, int]:
         samples = self.task.samples_in(batch)
@@ -163,11 +222,11 @@ class CollaborativeTrainer:
         try:
             if expected < 2:
                 raise GroupFailed("no other peer is at this step")
-            group = await self.matchmaker.form_group(key, expected)
+            group = await self._ordered(await self.matchmaker.form_group(key, expected))
             averaged, round_report = await self.reducer.all_reduce(
                 group, local, weight, self.residual, average_residual=self.average_residual
             )
-            self.report.record_round(round_report)
+            self.report.record_round(round_report, samples=int(weight))
         except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
             logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
             averaged = local
@@ -219,7 +278,7 @@ class CollaborativeTrainer:
         if expected < 2:
             return
         try:
-            group = await self.matchmaker.form_group(key, expected)
+            group = await self._ordered(await self.matchmaker.form_group(key, expected))
             async with self._step_lock:
                 tensors = self._state_tensors()
                 flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -239,7 +298,8 @@ class CollaborativeTrainer:
     async def _serve_state(self) -> tuple[int, bytes] | None:
         return self.step, await self._pack()
 
-    async def _sync_from_swarm(self) -> None:
+    async def _sync_from_swarm(self) -> bool:
+        """Loads the state of a peer ahead of us; False if none could provide it."""
         view = self.progress.view
         candidates = sorted(
             (p for peer, p in view.peers.items() if peer != self.swarm.peer_id and p.step > self.step),
@@ -264,10 +324,11 @@ class CollaborativeTrainer:
                 self.report.state_syncs += 1
                 logger.info("Loaded training state at step %d from %s", step, record.peer_id)
                 await self._publish()
-                return
+                return True
             except StateError as e:
                 logger.warning("State sync failed: %s", e)
         logger.warning("Could not load state from any peer ahead of us; training on from step %d", self.step)
+        return False
 
     # --- progress ---------------------------------------------------------------------------------------------
 

@@ -1,0 +1,73 @@
+"""Lockstep mode (``training.samples_per_step``): every peer contributes a fixed share to every global step.
+
+By default a peer contributes whatever it accumulated when the swarm reached ``target_batch_size``, so
+which samples make up a step depends on the peers' relative speed, and two runs of one config differ. In
+lockstep mode each peer computes exactly ``samples_per_step`` samples (whole micro-batches from its seeded
+shard), then stops and waits until every trainer at its step has its share too: the global batch is the
+same in every run. Two more things keep runs identical:
+
+- the wait also covers peers still finishing the previous step, whose records show the old step for a
+  moment; a peer that looked at a stale view would otherwise start the round alone;
+- group members are ordered by data shard rather than by registration time, so each peer reduces the
+  same span of the gradient in every round and in every run (which span a peer reduces decides which
+  elements it sends exactly and where the 8-bit codec's error feedback is carried).
+
+The wait is bounded by ``training.lockstep_timeout``; a dead peer also leaves the view when its progress
+record expires, so no peer can stall the swarm for longer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from peerd.errors import ConfigError
+from peerd.training.progress import ProgressRecord, SwarmProgress
+
+OPTION = "training.samples_per_step"
+
+
+def micro_batches_per_step(samples_per_step: int, batch_size: int) -> int:
+    """Micro-batches that make up one peer's share; refuses a share that is not made of whole ones."""
+    if samples_per_step % batch_size:
+        lower = samples_per_step // batch_size * batch_size
+        options = " or ".join(str(n) for n in (lower, lower + batch_size) if n > 0)
+        raise ConfigError(
+            f"{OPTION} ({samples_per_step}) must be a multiple of the task's micro-batch size ({batch_size}, "
+            f"training.task.options.batch_size for the built-in tasks): set {OPTION} to {options}",
+            field=OPTION,
+        )
+    return samples_per_step // batch_size
+
+
+def waiting_for(view: SwarmProgress, me: str, step: int, samples_per_step: int) -> list[str]:
+    """Peers a lockstep peer at ``step`` still waits for: those at ``step`` short of their share, and those
+    still at ``step - 1`` (finishing its round, or shown there by a record not yet refreshed). Peers further
+    behind will download the state instead of stepping up to us; peers ahead are handled by the state sync."""
+    return sorted(
+        peer
+        for peer, record in view.peers.items()
+        if peer != me
+        and (record.step == step - 1 or (record.step == step and record.samples < samples_per_step))
+    )
+
+
+def ready_at(view: SwarmProgress, me: str, step: int, samples_per_step: int) -> int:
+    """Trainers at ``step`` with their whole share, this one included."""
+    others = sum(
+        1 for peer, record in view.peers.items()
+        if peer != me and record.step == step and record.samples >= samples_per_step
+    )
+    return others + 1
+
+
+def canonical_order(members: Iterable[str], records: Mapping[str, ProgressRecord]) -> tuple[str, ...]:
+    """Members sorted by data shard (peer id breaks ties; members without a known shard go last), so the
+    rank, and thereby the span, of each peer is the same in every round of every run of a config.
+    Every member computes this from the same member list and, barring a record it could not read, the
+    same shards; a member missing from ``records`` is sorted by its peer id alone."""
+    def key(peer: str) -> tuple[int, int, str]:
+        record = records.get(peer)
+        shard = record.shard if record is not None else None
+        return (0, shard, peer) if shard is not None else (1, 0, peer)
+
+    return tuple(sorted(members, key=key))
