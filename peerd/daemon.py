@@ -1,14 +1,15 @@
 """The daemon: builds components from the config, supervises them on one uvloop loop, shuts down in reverse.
 
-Start order: swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if enabled) -> control
-endpoint -> first record -> ready line.
-Stop order: announce ``leaving`` -> trainer -> expert server -> control endpoint -> swarm. Each step is logged
-and bounded.
+Start order: swarm (p2pd + DHT) -> control endpoint -> expert server (if ``experts`` is set) -> trainer (if
+enabled) -> training loop -> first record -> ready line. Each start step registers its undo; stopping runs
+them in reverse: announce ``leaving`` -> training loop -> trainer -> expert server -> control endpoint ->
+swarm. Each stop step is logged and bounded, and one that fails does not keep the others from running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from peerd import __version__
@@ -49,30 +51,48 @@ class Daemon:
         self.expert_client: ExpertClient | None = None
         self._announce_now = asyncio.Event()
         self._progress: TerminalProgress | None = None
+        self._stops = contextlib.AsyncExitStack()  # the undo of every start step, run in reverse
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Starts the components in order; each registers how to stop it, so :meth:`shutdown` undoes exactly
+        what was started, in reverse order, also after a failure half-way through start-up."""
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name)
+        self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
+        self.control = await ControlServer.create(self.config.control, self.status, self.history)
+        self._on_stop("control endpoint", self.control.shutdown)
         if self.config.experts is not None:
             await self._start_experts()
         if self.config.training.enabled:
             await self._start_trainer()
-        self.control = await ControlServer.create(self.config.control, self.status, self.history)
         self.state = PeerState.TRAINING if self.trainer is not None else PeerState.IDLE
-        await self.swarm.publish(self.record())
         if self.trainer is not None:
             self._trainer_task = asyncio.ensure_future(self.trainer.run(self._trainer_stop))
+            self._on_stop("training loop", self._stop_training_loop, self.config.shutdown_timeout / 3)
             self._progress = TerminalProgress.start(self.config.logging, self.training_snapshot)
+            self._on_stop("progress display", self._progress.stop)
+        await self.swarm.publish(self.record())
+        # registered last so it runs first: the swarm hears we leave before anything stops serving it
+        self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
+
+    async def _p2p_replica(self) -> Any:
+        """hivemind's P2P handle on the DHT process's p2pd, shared by the expert server and the trainer."""
+        assert self.swarm is not None
+        if self._p2p is None:
+            self._p2p = await self.swarm.dht.replicate_p2p()
+            self._on_stop("P2P handle", self._p2p.shutdown)
+        return self._p2p
 
     async def _start_experts(self) -> None:
         from peerd.experts import ExpertServer
 
         config = self.config.experts
         assert self.swarm is not None and config is not None
-        self._p2p = self._p2p or await self.swarm.dht.replicate_p2p()
-        self.experts = await ExpertServer.create(config, self.swarm, self._p2p, self.config.run_name)
+        p2p = await self._p2p_replica()
+        self.experts = await ExpertServer.create(config, self.swarm, p2p, self.config.run_name)
+        self._on_stop("expert server", self.experts.stop)
 
     async def _start_trainer(self) -> None:
         from peerd.experts import ExpertClient
@@ -82,19 +102,61 @@ class Daemon:
         assert self.swarm is not None
         task_config = self.config.training.task
         shard = shard_for_peer(task_config, self.swarm.peer_id)
-        self._p2p = self._p2p or await self.swarm.dht.replicate_p2p()
+        p2p = await self._p2p_replica()
         # remote MoE layers of the task call experts through this; it reads the DHT only once a layer is built
-        self.expert_client = ExpertClient(self.swarm, self._p2p, self.config.run_name)
+        self.expert_client = ExpertClient(self.swarm, p2p, self.config.run_name)
+        self._on_stop("expert client", self.expert_client.close)
         if self.experts is not None:  # this peer serves experts too: its model calls them in-process
             self.expert_client.attach_local(self.experts)
         task = await asyncio.to_thread(build_task, task_config, shard, TaskRuntime(experts=self.expert_client))
         logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
                     task_config.num_shards)
         self.trainer = CollaborativeTrainer(
-            self.config.training, self.config.averaging, task, self.swarm, self._p2p, self.config.run_name,
+            self.config.training, self.config.averaging, task, self.swarm, p2p, self.config.run_name,
             shard_index=shard,
         )
         await self.trainer.start()
+        self._on_stop("trainer", self.trainer.stop)
+
+    def _on_stop(self, name: str, stop: Callable[[], Awaitable[None]], timeout: float | None = None) -> None:
+        """Registers the undo of a start step; each runs bounded and logged, and a failure does not keep
+        the components started before it from stopping."""
+        bound = self.config.shutdown_timeout if timeout is None else timeout
+
+        async def step() -> None:
+            try:
+                await asyncio.wait_for(stop(), bound)
+                logger.info("Stopped the %s", name)
+            except TimeoutError:
+                logger.warning("Stopping the %s took longer than %.1fs; going on", name, bound)
+            except Exception as e:  # noqa: BLE001 (shutdown goes on whatever one component does)
+                logger.warning("Stopping the %s failed: %r", name, e)
+
+        self._stops.push_async_callback(step)
+
+    async def _announce_leaving(self) -> None:
+        assert self.swarm is not None
+        if not self.swarm.alive():
+            return
+        self.state = PeerState.LEAVING
+        try:
+            await self.swarm.publish_leaving(self.record())
+            logger.info("Announced leaving to the swarm")
+        except PeerdError as e:
+            logger.warning("Could not announce leaving: %s", e)
+
+    async def _stop_training_loop(self) -> None:
+        task, self._trainer_task = self._trainer_task, None
+        if task is None:
+            return
+        self._trainer_stop.set()
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:  # the bound expired (wait_for cancels us): cancel the loop itself
+            task.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 (its error was already reported by the supervisor)
+            logger.debug("Trainer ended with %r", e)
 
     async def run(self, ready_stream: TextIO = sys.stdout) -> None:
         """Starts, prints the ready line, supervises until a stop signal, then shuts down."""
@@ -133,47 +195,9 @@ class Daemon:
                 logger.warning("Could not refresh our peer record: %s", e)
 
     async def shutdown(self) -> None:
-        timeout = self.config.shutdown_timeout
-        if self._progress is not None:
-            await self._progress.stop()
-            self._progress = None
-        if self.swarm is not None and self.swarm.alive() and self.state is not PeerState.STARTING:
-            self.state = PeerState.LEAVING
-            try:
-                await asyncio.wait_for(self.swarm.publish_leaving(self.record()), timeout / 3)
-                logger.info("Announced leaving to the swarm")
-            except (PeerdError, asyncio.TimeoutError) as e:
-                logger.warning("Could not announce leaving: %s", e)
-        if self._trainer_task is not None:
-            self._trainer_stop.set()
-            try:
-                await asyncio.wait_for(self._trainer_task, timeout / 3)
-            except asyncio.TimeoutError:
-                self._trainer_task.cancel()
-            except Exception as e:  # its error was already reported by the supervisor
-                logger.debug("Trainer ended with %r", e)
-            self._trainer_task = None
-        if self.trainer is not None:
-            await self.trainer.stop()
-            logger.info("Trainer stopped")
-            self.trainer = None
-        if self.expert_client is not None:
-            await self.expert_client.close()
-            self.expert_client = None
-        if self.experts is not None:
-            await self.experts.stop()
-            logger.info("Expert server stopped")
-            self.experts = None
-        if self._p2p is not None:
-            await self._p2p.shutdown()
-            self._p2p = None
-        if self.control is not None:
-            await self.control.shutdown()
-            logger.info("Control endpoint stopped")
-            self.control = None
-        if self.swarm is not None:
-            await self.swarm.shutdown()
-            self.swarm = None
+        """Stops what :meth:`start` started, in reverse order: leaving announcement, progress display,
+        training loop, trainer, expert client, expert server, P2P handle, control endpoint, swarm."""
+        await self._stops.aclose()
 
     def request_stop(self) -> None:
         if not self.stop_event.is_set():
