@@ -1,8 +1,8 @@
 """The daemon: builds components from the config, supervises them on one uvloop loop, shuts down in reverse.
 
-Start order: swarm (p2pd + DHT) -> control endpoint -> expert server (if ``experts`` is set) -> trainer (if
-enabled) -> training loop -> first record -> ready line. Each start step registers its undo; stopping runs
-them in reverse: announce ``leaving`` -> training loop -> trainer -> expert server -> control endpoint ->
+Start order: swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if enabled) -> control
+endpoint -> training loop -> first record -> ready line. Each start step registers its undo; stopping runs
+them in reverse: announce ``leaving`` -> training loop -> control endpoint -> trainer -> expert server ->
 swarm. Each stop step is logged and bounded, and one that fails does not keep the others from running.
 """
 
@@ -61,12 +61,13 @@ class Daemon:
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
-        self.control = await ControlServer.create(self.config.control, self.status, self.history)
-        self._on_stop("control endpoint", self.control.shutdown)
         if self.config.experts is not None:
             await self._start_experts()
         if self.config.training.enabled:
             await self._start_trainer()
+        # after the components it reports on: once it answers, its status has every section
+        self.control = await ControlServer.create(self.config.control, self.status, self.history)
+        self._on_stop("control endpoint", self.control.shutdown)
         self.state = PeerState.TRAINING if self.trainer is not None else PeerState.IDLE
         if self.trainer is not None:
             self._trainer_task = asyncio.ensure_future(self.trainer.run(self._trainer_stop))
@@ -196,7 +197,7 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """Stops what :meth:`start` started, in reverse order: leaving announcement, progress display,
-        training loop, trainer, expert client, expert server, P2P handle, control endpoint, swarm."""
+        training loop, control endpoint, trainer, expert client, expert server, P2P handle, swarm."""
         await self._stops.aclose()
 
     def request_stop(self) -> None:
