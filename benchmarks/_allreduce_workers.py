@@ -14,7 +14,8 @@ Adding a backend: write ``def my_worker(ctx: WorkerCtx) -> None`` and register i
   start a repetition together; ctx.input is this rank's tensor (fp32, ctx.numel elements, identical every rep);
 * times the all-reduce with ``with ctx.timed(rep):`` (or ctx.record(rep, metric, start, end) with time.monotonic()
   stamps -- CLOCK_MONOTONIC is system-wide, so stamps from different processes/namespaces are comparable);
-* calls ``ctx.check(rep, result)`` with the averaged tensor (the mean over peers, not the sum).
+* calls ``ctx.check(rep, result)`` with the averaged tensor (the mean over peers, not the sum) right after the
+  operation: the CPU seconds the worker and its descendants used from the barrier to that call are recorded.
 
 The harness computes each repetition's time as max(end over peers) - min(start over peers) per metric.
 """
@@ -54,6 +55,17 @@ def _read_tx_bytes(iface: str | None) -> int | None:
     except OSError:
         pass
     return None
+
+
+def _cpu_seconds() -> float | None:
+    """User+system CPU of this worker and its live descendants (p2pd, hivemind's DHT/averager processes)."""
+    try:
+        import psutil
+
+        me = psutil.Process()
+        return sum(sum(p.cpu_times()[:2]) for p in [me, *me.children(recursive=True)])
+    except Exception:  # noqa: BLE001 - a diagnostic only: a process exiting mid-scan, no psutil, ...
+        return None
 
 
 def make_input(rank: int, numel: int) -> torch.Tensor:
@@ -119,6 +131,7 @@ class WorkerCtx:
         for rep in range(self.warmup + self.reps):
             self.barrier(f"rep{rep}")
             self._rep_tx0 = _read_tx_bytes(self.iface)
+            self._rep_cpu0 = _cpu_seconds()
             self._rep_t0 = time.monotonic()
             yield rep
             rec = self._rec(rep)
@@ -145,8 +158,11 @@ class WorkerCtx:
         self._rec(rep)["error"] = error
 
     def check(self, rep: int, result: torch.Tensor) -> None:
-        diff = (result.to(torch.float32) - self.expected).abs()
+        cpu1 = _cpu_seconds()
         rec = self._rec(rep)
+        if self._rep_cpu0 is not None and cpu1 is not None:
+            rec["cpu_s"] = cpu1 - self._rep_cpu0  # barrier -> result in hand: the operation and its bookkeeping
+        diff = (result.to(torch.float32) - self.expected).abs()
         rec["max_abs_err"] = float(diff.max())
         rec["rel_l2_err"] = float(diff.norm() / self.expected.norm())
         rec["bad_frac"] = float((diff > BACKENDS[self.backend].tolerance).float().mean())  # share of wrong elements
@@ -269,6 +285,7 @@ class Backend:
     # (numel, n) -> payload bytes each peer sends in one round by the algorithm (None if unknown)
     payload_bytes: Callable[[int, int], float | None]
     metrics: tuple[str, ...] = ("allreduce",)  # in display order; "allreduce" is the one compared against gloo
+    reference: bool = False  # moves bytes only (no result to check): a floor for the others, not an all-reduce
 
 
 def peerd_worker(ctx: WorkerCtx) -> None:
@@ -301,8 +318,11 @@ def peerd_worker(ctx: WorkerCtx) -> None:
             ctx.publish("peerd-maddrs", [str(m) for m in run(p2p.get_visible_maddrs())])
         ctx.publish(f"peerd-id-{ctx.rank}", str(p2p.peer_id))
         members = tuple(ctx.lookup(f"peerd-id-{r}") for r in range(ctx.n))
-        config = AveragingConfig(round_timeout=120.0, join_timeout=30.0,
-                                 chunk_numel=int(os.environ.get("PEERD_BENCH_CHUNK", 2**19)))
+        # PEERD_BENCH_CONFIG='{"parallel_streams": 2}' overrides any averaging option, for A/B runs
+        overrides = json.loads(os.environ.get("PEERD_BENCH_CONFIG") or "{}")
+        if os.environ.get("PEERD_BENCH_CHUNK"):
+            overrides["chunk_numel"] = int(os.environ["PEERD_BENCH_CHUNK"])
+        config = AveragingConfig(**{"round_timeout": 120.0, "join_timeout": 30.0, **overrides})
         reducer = AllReducer(p2p, config)
         run(reducer.start())
         ctx.barrier("peerd-handlers")
@@ -318,6 +338,69 @@ def peerd_worker(ctx: WorkerCtx) -> None:
     finally:
         run(p2p.shutdown())
         loop.call_soon_threadsafe(loop.stop)
+
+
+def tcp_worker(ctx: WorkerCtx) -> None:
+    """Reference, not an all-reduce: plain TCP sockets move peerd's payload in peerd's traffic pattern.
+
+    One persistent connection per pair of peers carries both directions (as p2pd's one libp2p connection per
+    pair does); in each repetition every peer sends peerd's payload/peer, split evenly over its n-1 partners,
+    to all of them at once and reads as much from each, with no codec, no framing, no encryption and no data
+    dependency. Its time is what TCP itself needs for those bytes on this network: a floor for peerd's row.
+    """
+    import socket
+    import threading
+
+    per_pair = int(_peerd_payload(ctx.numel, ctx.n) / (ctx.n - 1))
+    listener = socket.create_server((ctx.addr, 0))
+    ctx.publish(f"tcp-port-{ctx.rank}", listener.getsockname()[1])
+    conns: dict[int, socket.socket] = {}
+    for peer in range(ctx.rank + 1, ctx.n):  # the lower rank dials
+        conn = socket.create_connection((ctx.addrs[peer], ctx.lookup(f"tcp-port-{peer}")), timeout=60)
+        conn.sendall(ctx.rank.to_bytes(4, "little"))
+        conns[peer] = conn
+    while len(conns) < ctx.n - 1:
+        conn, _ = listener.accept()
+        conns[int.from_bytes(conn.recv(4, socket.MSG_WAITALL), "little")] = conn
+    for conn in conns.values():
+        conn.settimeout(120)
+    block = bytes(1 << 16)
+
+    def send(conn: socket.socket) -> None:
+        for start in range(0, per_pair, len(block)):
+            conn.sendall(block[: min(len(block), per_pair - start)])
+
+    def receive(conn: socket.socket) -> None:
+        buf, left = bytearray(1 << 20), per_pair
+        while left:
+            got = conn.recv_into(buf, min(len(buf), left))
+            if not got:
+                raise ConnectionError("peer closed the connection mid-repetition")
+            left -= got
+
+    def guarded(fn: Callable[[socket.socket], None], conn: socket.socket, errors: list[str]) -> None:
+        try:
+            fn(conn)
+        except OSError as e:
+            errors.append(f"{fn.__name__}: {type(e).__name__}: {e}")
+
+    try:
+        for rep in ctx.repetitions():
+            errors: list[str] = []
+            with ctx.timed(rep):
+                threads = [threading.Thread(target=guarded, args=(fn, conn, errors)) for conn in conns.values()
+                           for fn in (send, receive)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            if errors:
+                ctx.fail(rep, errors[0])
+            ctx.check(rep, ctx.expected)  # nothing is averaged; records the CPU time only
+    finally:
+        for conn in conns.values():
+            conn.close()
+        listener.close()
 
 
 def _peerd_payload(numel: int, n: int) -> float:
@@ -336,6 +419,7 @@ BACKENDS: dict[str, Backend] = {
     "peerd": Backend(peerd_worker, tolerance=0.1, payload_bytes=_peerd_payload),
     "hivemind": Backend(hivemind_worker, tolerance=1e-4, payload_bytes=_ring_like,
                         metrics=("allreduce", "step", "matchmaking")),
+    "tcp": Backend(tcp_worker, tolerance=0.0, payload_bytes=_peerd_payload, reference=True),
 }
 
 

@@ -22,6 +22,10 @@ Environments:
 
 Backends (add one by writing a worker in _allreduce_workers.py and registering it in BACKENDS there):
   gloo     -- torch.distributed all_reduce(SUM)/n, TCP store on peer 0 (ring all-reduce).
+  tcp      -- a reference, not an all-reduce: plain TCP sockets, one connection per pair of peers carrying both
+              directions (as p2pd's), each peer sending peerd's payload/peer split evenly over its n-1 partners,
+              all at once, with no codec, framing, encryption or data dependency. It is the floor for the peerd
+              row: what TCP itself needs to move the same bytes in the same pattern on this network.
   hivemind -- hivemind 1.1.12 DecentralizedAverager, NoCompression, group of exactly n. Three rows:
               'allreduce' = time inside the averager process's _aggregate_with_group (the butterfly all-reduce
               itself, matchmaking excluded), 'step' = the whole averager.step() (matchmaking included),
@@ -34,8 +38,29 @@ over the whole repetition window (barrier to return, so for hivemind the whole s
 peers, median over reps (netns only -- loopback's counter is shared; TCP/IP headers, ACKs, framing, TLS and
 hivemind's DHT chatter included); payload Mbit/s = payload/peer x 8 / median, with '% of line' relative to the
 measured raw TCP line rate (payload, so both sides exclude headers); x gloo = median / gloo median for the same n;
+cpu s/peer = CPU seconds (user+system) a peer's worker process and its descendants (p2pd, hivemind's
+DHT/averager processes) used from the repetition's barrier until it had the result, mean over peers, median
+over reps: with all peers sharing 2 cores, n x this over the wall time says how CPU-bound a row is;
 max|err| = largest |result - exact mean| over peers and reps. Numbers are printed, never asserted; a repetition
 whose result is wrong on any peer is reported under the table and left out of the timings.
+
+What limits the netns numbers (measured on this 2-core machine, Nov 2026; /tmp scripts, same lab):
+  * Both directions at once: an all-reduce loads every port both ways, the probe only one way. Plain TCP with
+    both directions on one connection reaches 89-93 Mbit/s per direction (93-97% of the probe): ACKs share
+    the uplink and BBR (this kernel's default) leaves gaps when they queue behind data.
+  * n-1 partners at once: the tcp row moves peerd's bytes in peerd's pattern with plain sockets; at n=4 it
+    reaches ~85% of line (n=2: ~95%). Sending to one partner after the other brings plain TCP to 91-93% at
+    n=4, but in an all-reduce no chunk can be averaged before every member sent it, so that order delays the
+    all-gather and lost ~6 points for peerd (tried, not kept).
+  * yamux (libp2p's multiplexer in p2pd) gives each stream a 256 KiB window; its auto-tuning only grows it
+    when a window is used within 4x the session's ping RTT, measured on the idle link (~0.2 ms), so it never
+    grows. The credit travels in-band behind the other direction's queued data: one stream each way between
+    two peers ran 58/94 Mbit/s in 2 of 3 tries (lopsided), 2-8 streams each way ~90/90. peerd has at least two
+    streams per direction once averages flow; extra streams per pair were tried and did not help it.
+  * CPU: packet processing of the emulated switch (veth, bridge, both tbf queues) runs in softirq context and
+    is charged to the peers' processes, so "cpu s/peer" is ~4x the loopback figure for the same bytes. With 4
+    peers (each with its own p2pd) on 2 cores, n=4 is partly CPU-bound, and other load on the machine shows
+    up directly in the netns rows: compare reruns, not single numbers.
 
 Load: loopback numbers are CPU-bound on 2 cores, so the load average is printed before/after each environment.
 hivemind notes: averager.step() in 1.1.12 can return successfully with part of the vector *not* averaged (a failed
@@ -98,6 +123,7 @@ class GroupResult:
     numel: int
     times: dict[str, list[float]] = field(default_factory=dict)  # metric -> per good rep seconds
     tx_bytes: list[float] = field(default_factory=list)  # mean over peers, per good rep
+    cpu_s: list[float] = field(default_factory=list)  # CPU seconds per peer (mean over peers), per good rep
     max_err: float = 0.0
     rel_err: float = 0.0
     good_reps: int = 0
@@ -212,6 +238,8 @@ def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: 
             res.times.setdefault(metric, []).append(seconds)
         if all("tx_bytes" in r for r in recs):
             res.tx_bytes.append(statistics.mean(r["tx_bytes"] for r in recs))
+        if all("cpu_s" in r for r in recs):
+            res.cpu_s.append(statistics.mean(r["cpu_s"] for r in recs))
         res.good_reps += 1
     return res
 
@@ -241,7 +269,7 @@ def print_table(env: Env, results: list[GroupResult]) -> None:
             ts = r.times.get(metric) or []
             label = r.backend if metric == "allreduce" and len(spec.metrics) == 1 else f"{r.backend} ({metric})"
             if not ts:
-                rows.append([label, r.n, f"0/{r.total_reps}"] + ["-"] * 8
+                rows.append([label, r.n, f"0/{r.total_reps}"] + ["-"] * 9
                             + [f"{r.max_err:.1e}" if r.max_err else "-", "FAILED"])
                 continue
             med, low = statistics.median(ts), min(ts)
@@ -256,11 +284,12 @@ def print_table(env: Env, results: list[GroupResult]) -> None:
                 f"{payload_mbit:.1f}" if payload_mbit is not None else "-",
                 f"{100 * payload_mbit / env.line_mbit:.0f}%" if payload_mbit is not None and env.line_mbit else "-",
                 f"{ratio:.2f}x" if ratio is not None else "-",
-                f"{r.max_err:.1e}" if metric == "allreduce" else "",
+                f"{statistics.median(r.cpu_s):.2f}" if r.cpu_s and metric == "allreduce" else "-",
+                "-" if spec.reference else f"{r.max_err:.1e}" if metric == "allreduce" else "",
                 "ok" if not r.errors else f"{len(r.errors)} issue(s)",
             ])
     headers = ["backend", "peers", "reps ok", "median s", "min s", "algbw MB/s", "payload/peer", "wire tx/peer",
-               "payload Mbit/s", "% of line", "x gloo", "max|err|", "status"]
+               "payload Mbit/s", "% of line", "x gloo", "cpu s/peer", "max|err|", "status"]
     print(format_table(headers, rows))
     for r in results:
         for err in r.errors[:5]:

@@ -15,6 +15,13 @@ peer's veth pair: on eth0 inside the peer namespace (the peer's upload) and on p
 on an otherwise unlimited switch, like a host on a 100 Mbit switched LAN. A transfer between two peers crosses
 two R-limited queues in series, which still tops out at R.
 
+Why the tc settings matter (they are part of the benchmark's definition, do not tune them to a result):
+``latency 400ms`` lets each tbf queue hold ~5 MB at 100 Mbit/s, a deep, bufferbloated queue like a cheap
+switch or home router; TCP (BBR here) keeps it partly filled, so a credit or ACK sent against a loaded
+direction waits behind that data. ``burst 32kbit`` (4 KB, under three full packets) allows no bursts above
+the rate. Shaping both ends of every veth gives each peer a full-duplex port, so an all-reduce, which sends
+and receives at once, is limited on both its upload and its download.
+
 The lab needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and the iproute2 ``ip``/``tc`` tools; otherwise entering
 it raises :class:`NetnsUnavailable` with a one-line reason. Everything named ``peerdbench-*`` is removed on exit,
 on exceptions, on Ctrl-C and on SIGTERM, and leftovers of an interrupted earlier run are removed on entry

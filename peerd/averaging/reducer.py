@@ -1,20 +1,26 @@
 """The reducer of one span in one round: validates contributions chunk by chunk and averages each chunk as
 soon as every member still in the round has delivered it, so averages flow back while contributions still
 arrive. A member whose chunk fails validation, whose stream breaks or who is too slow is excluded from the
-rest of the round; its earlier, valid chunks stay in their averages. Nothing invalid is ever added."""
+rest of the round; its earlier, valid chunks stay in their averages. Nothing invalid is ever added.
+
+Each chunk's running sum lives in the caller's result slice and starts when the chunk is first touched, so a
+round does no span-sized work before its first chunk leaves (that was 30-80 ms of idle uplink per round)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import math
 import threading
 from typing import TYPE_CHECKING
 
 import torch
 
 from peerd.averaging import codec
-from peerd.averaging.wire import frame_size, read_frame, write_frame, write_message
+from peerd.averaging.compute import run_chunk_work
+from peerd.averaging.layout import chunk_bounds, max_payload_bytes
+from peerd.averaging.requests import check_request
+from peerd.averaging.wire import frame_size, read_frame, write_frames
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -23,17 +29,6 @@ if TYPE_CHECKING:
     from peerd.averaging.allreduce import Group
 
 logger = logging.getLogger(__name__)
-
-MAX_WEIGHT = 1e12
-
-
-def max_payload_bytes(numel: int) -> int:
-    """Largest codec payload ``numel`` elements may take (raw fp32 plus header and shape)."""
-    return 4 * numel + 4096
-
-
-def chunk_bounds(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
-    return [(start, min(numel, start + chunk_numel)) for start in range(0, numel, chunk_numel)] or [(0, 0)]
 
 
 class SpanReducer:
@@ -48,15 +43,17 @@ class SpanReducer:
         peer_id: str,
         out: torch.Tensor,
         residual: torch.Tensor | None = None,
+        own_residual: torch.Tensor | None = None,
     ) -> None:
         """``out`` receives the coded average of the span (the caller's slice of its result); ``residual``, if
-        given, carries what coding the average dropped into this peer's next average of the same elements."""
-        self.residual = residual
+        given, carries what coding the average dropped into this peer's next average of the same elements;
+        ``own_residual``, if given, is added to ``own`` and zeroed chunk by chunk (it enters the average
+        exactly)."""
+        self.residual, self.own_residual = residual, own_residual
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
-        self.peer_id, self.out = peer_id, out
+        self.peer_id, self.out, self.own, self.own_weight = peer_id, out, own, weight
         self.numel = own.numel()
         self.chunks = chunk_bounds(self.numel, config.chunk_numel)
-        self.sum = torch.mul(own, weight)
         senders = set(group.members) - {peer_id}
         self.expected = senders
         self.pending = [set(senders) for _ in self.chunks]  # whose chunk k we still wait for
@@ -65,12 +62,13 @@ class SpanReducer:
         self.payloads: list[bytearray | None] = [None for _ in self.chunks]
         self.ready = [asyncio.Event() for _ in self.chunks]
         self.excluded: dict[str, str] = {}
+        self.serving: set[str] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._sum_lock = threading.Lock()  # chunks of different senders are added from worker threads
+        self._started = [False for _ in self.chunks]
+        self._sum_lock = threading.Lock()  # large chunks are added from worker threads
         self._finalizing: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._serving: set[str] = set()
         self._answered: set[str] = set()
         self._all_answered = asyncio.Event()
         self._closed = False
@@ -88,20 +86,43 @@ class SpanReducer:
 
     async def _finalize(self, index: int) -> None:
         start, end = self.chunks[index]
-        self.payloads[index] = await asyncio.to_thread(self._average_chunk, index)
-        self.ready[index].set()
+        try:
+            self.payloads[index] = await run_chunk_work(end - start, self._average_chunk, index)
+        except ValueError as e:  # our own values are not finite: nobody can use this chunk's average
+            logger.error("Round %s: cannot average chunk %d of span %d: %s", self.group.round_id, index,
+                         self.rank, e)
+            self.out[start:end] = self.own[start:end]  # as for any failed span: this peer's own values
+        finally:
+            self.ready[index].set()  # a chunk without payload is answered INTERNAL_ERROR
+
+    def _start(self, index: int) -> None:
+        """Seeds chunk ``index``'s sum with this peer's weighted values, once; under ``_sum_lock``."""
+        if self._started[index]:
+            return
+        start, end = self.chunks[index]
+        acc = self.out[start:end]
+        if self.own_residual is not None:
+            torch.add(self.own[start:end], self.own_residual[start:end], out=acc).mul_(self.own_weight)
+            self.own_residual[start:end] = 0
+        else:
+            torch.mul(self.own[start:end], self.own_weight, out=acc)
+        self._started[index] = True
 
     def _average_chunk(self, index: int) -> bytearray:
         start, end = self.chunks[index]
         with self._sum_lock:  # after this, _add refuses the chunk (it is in _finalizing)
-            average = self.sum[start:end].div_(self.weights[index])
-        if self.residual is not None:
-            average.add_(self.residual[start:end])
-        payload = codec.encode(average, self.codec_config)
-        # Use the coded average ourselves too, so every member applies bit-identical values.
-        codec.decode(payload, peer_id=self.peer_id, out=self.out[start:end])
-        if self.residual is not None:
-            torch.sub(average, self.out[start:end], out=self.residual[start:end])
+            self._start(index)
+            average = self.out[start:end].div_(self.weights[index])
+        if self.residual is None:
+            payload = codec.encode(average, self.codec_config)
+            # Use the coded average ourselves too, so every member applies bit-identical values.
+            codec.decode(payload, peer_id=self.peer_id, out=average)
+            return payload
+        carried = self.residual[start:end]
+        carried.add_(average)  # what we code: the average plus what coding dropped from our last one
+        payload = codec.encode(carried, self.codec_config)
+        codec.decode(payload, peer_id=self.peer_id, out=average)
+        carried.sub_(average)
         return payload
 
     def exclude(self, sender: str, reason: str) -> None:
@@ -117,7 +138,7 @@ class SpanReducer:
         """Waits until every chunk is averaged; after ``timeout`` the members still missing are excluded."""
         try:
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in self.ready)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for sender in sorted(set().union(*self.pending)):
                 self.exclude(sender, f"contribution incomplete after {timeout:.1f}s")
             await asyncio.gather(*(event.wait() for event in self.ready))
@@ -128,7 +149,7 @@ class SpanReducer:
             return
         try:
             await asyncio.wait_for(self._all_answered.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.info("Round %s: not every member collected span %d", self.group.round_id, self.rank)
 
     def close(self) -> None:
@@ -144,14 +165,14 @@ class SpanReducer:
         self, sender: str, request: pb.ReduceRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self.bytes_received += frame_size(request.ByteSize())
-        problem = self._check(sender, request)
+        problem = check_request(self, sender, request)
         if problem is not None:
             code, message = problem
             if code == pb.BAD_REQUEST:  # a member that sends nonsense is not waited for
                 self.exclude(sender, message)
             await self._send(writer, pb.ReduceResponse(code=code, message=message))
             return
-        self._serving.add(sender)
+        self.serving.add(sender)
         answers = asyncio.ensure_future(self._answer(sender, writer))
         try:
             await self._receive(sender, request.weight, reader)
@@ -162,7 +183,7 @@ class SpanReducer:
         # in p2pd's buffers on a slow link.
         try:
             await asyncio.wait_for(reader.read(1), self.config.join_timeout)
-        except (asyncio.TimeoutError, ConnectionError, OSError):
+        except (TimeoutError, ConnectionError, OSError):
             pass
 
     async def _receive(self, sender: str, weight: float, reader: asyncio.StreamReader) -> None:
@@ -172,11 +193,12 @@ class SpanReducer:
             data = await read_frame(reader, max_payload_bytes(end - start), sender, f"chunk {index}")
             self.bytes_received += frame_size(len(data))
             if adding is not None:
-                await adding  # keep one chunk decoding while the next one arrives
+                await adding  # a large chunk decodes in a thread while the next one arrives
             if sender in self.excluded:
                 return
-            adding = asyncio.ensure_future(asyncio.to_thread(self._add, data, sender, weight, index, scratch))
-            adding.add_done_callback(lambda done, i=index: self._added(done, sender, i))
+            adding = asyncio.ensure_future(
+                run_chunk_work(end - start, self._add, data, sender, weight, index, scratch))
+            adding.add_done_callback(functools.partial(self._added, sender=sender, index=index))
         if adding is not None:
             await adding
 
@@ -187,7 +209,8 @@ class SpanReducer:
         with self._sum_lock:  # sum, weight and membership change together, or not at all
             if index in self._finalizing:
                 raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was averaged", peer_id=sender)
-            self.sum[start:end].add_(chunk, alpha=weight)
+            self._start(index)
+            self.out[start:end].add_(chunk, alpha=weight)
             self.weights[index] += weight
             self.included[index].add(sender)
 
@@ -206,8 +229,8 @@ class SpanReducer:
             for index in range(len(self.chunks)):
                 await self.ready[index].wait()
                 payload = self.payloads[index]
-                if payload is None:  # the round was abandoned
-                    await self._send(writer, pb.ReduceResponse(code=pb.INTERNAL_ERROR, message="round abandoned"))
+                if payload is None:  # the round was abandoned, or our own values could not be averaged
+                    await self._send(writer, pb.ReduceResponse(code=pb.INTERNAL_ERROR, message="no average"))
                     return
                 response = pb.ReduceResponse(
                     code=pb.OK, chunk_index=index, contributors=len(self.included[index]),
@@ -221,26 +244,9 @@ class SpanReducer:
             if self._answered | set(self.excluded) >= self.expected:
                 self._all_answered.set()
 
-    async def _send(self, writer: asyncio.StreamWriter, response: pb.ReduceResponse, payload: bytes | None = None) -> None:
-        sent = await write_message(writer, response)  # counted after the await: several senders run at once
-        if payload is not None:
-            sent += await write_frame(writer, payload)
-        self.bytes_sent += sent
-
-    def _check(self, sender: str, request: pb.ReduceRequest) -> tuple[int, str] | None:
-        if sender not in self.group.members or sender == self.peer_id:
-            return pb.NOT_A_MEMBER, f"{sender} is not in group {self.group.round_id}"
-        if sender in self.excluded or sender in self._serving:
-            return pb.DUPLICATE, "already contributed or excluded"
-        if request.protocol_version != 1:
-            return pb.BAD_REQUEST, f"protocol version {request.protocol_version} (this peer speaks 1)"
-        if request.span_index != self.rank or request.span_numel != self.numel:
-            return pb.BAD_REQUEST, (
-                f"span {request.span_index} of {request.span_numel} elements, expected span {self.rank} of "
-                f"{self.numel} (different model or group view?)"
-            )
-        if request.chunk_numel != self.config.chunk_numel:
-            return pb.BAD_REQUEST, f"chunks of {request.chunk_numel}, this peer uses {self.config.chunk_numel}"
-        if not (math.isfinite(request.weight) and 0 < request.weight <= MAX_WEIGHT):
-            return pb.BAD_REQUEST, f"weight {request.weight} is not finite and in (0, {MAX_WEIGHT:g}]"
-        return None
+    async def _send(
+        self, writer: asyncio.StreamWriter, response: pb.ReduceResponse, payload: bytes | bytearray | None = None
+    ) -> None:
+        # One write for the response and its payload: one wake-up of p2pd, no lone tiny frame on the wire.
+        frames = [response.SerializeToString()] + ([payload] if payload is not None else [])
+        self.bytes_sent += await write_frames(writer, frames)  # counted after the await: senders run at once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import struct
 from collections.abc import Awaitable, Callable
@@ -12,7 +13,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging import codec
+from peerd.averaging import codec, compute
 from peerd.averaging.allreduce import HANDLER_NAME, AllReducer, Group, split_spans
 from peerd.averaging.wire import read_message, write_frame, write_message
 from peerd.config import AveragingConfig, CodecConfig
@@ -46,15 +47,20 @@ def weighted_mean(xs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
 def test_split_spans_cover_and_align() -> None:
     spans = split_spans(1000, 3, 64)
     assert spans[0][0] == 0 and spans[-1][1] == 1000
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert all(start % 64 == 0 for start, _ in spans)
     tiny = split_spans(10, 4, 64)  # fewer blocks than members: one span holds everything, others are empty
     assert [end - start for start, end in tiny if end > start] == [10]
 
 
+@pytest.mark.parametrize("chunk_work", ["inline", "threads"])
 @pytest.mark.timeout(90)
-def test_three_members_get_identical_weighted_mean_and_about_one_byte_per_element() -> None:
+def test_three_members_get_identical_weighted_mean_and_about_one_byte_per_element(
+    chunk_work: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     numel = 300_000
+    if chunk_work == "threads":  # what chunks above compute.INLINE_MAX_NUMEL elements take
+        monkeypatch.setattr(compute, "INLINE_MAX_NUMEL", 0)
 
     async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
         members = tuple(sorted(r.peer_id for r in reducers))
@@ -123,6 +129,28 @@ def test_a_member_that_never_shows_up_is_excluded_within_the_timeout() -> None:
                     assert torch.allclose(result[start:end], torch.full((end - start,), 1.5), atol=0.02)
 
     asyncio.run(with_peers(3, body))
+
+
+@pytest.mark.timeout(90)
+def test_a_member_whose_input_cannot_be_coded_fails_fast_and_the_others_finish() -> None:
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        honest, broken = reducers
+        good, bad = torch.ones(20_000), torch.ones(20_000)
+        bad[0] = bad[-1] = math.nan  # in both spans: it can neither contribute nor average its own span
+        (good_result, good_report), (bad_result, bad_report) = await asyncio.gather(
+            honest.all_reduce(Group("t5", members), good, 1.0),
+            broken.all_reduce(Group("t5", members), bad, 1.0),
+        )
+        # nobody waits for round_timeout: the broken member stops at its first chunk, its reducer refuses to
+        # hand out an average it cannot code, and the honest reducer sees the broken stream end early
+        assert good_report.duration < CONFIG.round_timeout and bad_report.duration < CONFIG.round_timeout
+        assert "NaN" in bad_report.excluded[honest.peer_id]
+        assert broken.peer_id in good_report.excluded
+        assert torch.allclose(good_result, good, atol=0.01)  # nothing averaged with the broken member
+        assert torch.isnan(bad_result).any()  # its own values, as it passed them
+
+    asyncio.run(with_peers(2, body))
 
 
 def nan_payload(numel: int) -> bytes:

@@ -1,0 +1,163 @@
+"""A member's side of one reducer's span: its coded contribution goes out and the coded average comes back,
+chunk by chunk, on one stream. Chunks whose average never arrives keep this member's own values; error
+feedback is carried only for the chunks the reducer says it included.
+
+The next chunk is coded while the current one drains into p2pd, and the first one while the stream opens,
+so the uplink never waits for the codec."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from peerd.averaging import codec
+from peerd.averaging.compute import run_chunk_work
+from peerd.averaging.layout import chunk_bounds, max_payload_bytes
+from peerd.averaging.requests import PROTOCOL_VERSION
+from peerd.averaging.wire import frame_size, read_frame, read_message, write_frames, write_message
+from peerd.config import AveragingConfig, CodecConfig
+from peerd.errors import ProtocolViolation
+from peerd.proto import peerd_averaging_pb2 as pb
+
+if TYPE_CHECKING:
+    from peerd.averaging.allreduce import Group, RoundReport
+
+logger = logging.getLogger(__name__)
+
+
+def _encode_chunk(
+    values: torch.Tensor, carried: torch.Tensor | None, dropped: torch.Tensor | None, config: CodecConfig,
+    peer_id: str,
+) -> tuple[bytearray, float]:
+    """Codes one chunk plus the error carried from earlier rounds; with error feedback also computes what the
+    coding dropped (into ``dropped``). Returns the payload and the norm of what was coded."""
+    if carried is not None:
+        values = values + carried
+    payload = codec.encode(values, config)
+    if dropped is None:
+        return payload, 0.0
+    codec.decode(payload, peer_id=peer_id, out=dropped)
+    torch.sub(values, dropped, out=dropped)
+    return payload, float(values.norm())
+
+
+@dataclass
+class SpanExchange:
+    """Everything one member needs to exchange one reducer's span; ``run`` never raises for the reducer's faults."""
+
+    p2p: P2P
+    handler: str
+    group: Group
+    member: str  # the reducer
+    span: tuple[int, int]
+    flat: torch.Tensor
+    weight: float
+    residual: torch.Tensor | None
+    result: torch.Tensor
+    report: RoundReport
+    config: AveragingConfig
+    codec_config: CodecConfig
+    received: set[int] = field(default_factory=set)
+    errors: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        start, end = self.span
+        self.index = self.group.rank_of(self.member)
+        self.chunks = chunk_bounds(end - start, self.config.chunk_numel)
+        self.source = self.flat[start:end]
+        self.carried = self.residual[start:end] if self.residual is not None else None
+        self.out = self.result[start:end]
+        # What quantization drops from each chunk, committed to the residual once the chunk is included.
+        self.dropped = torch.empty_like(self.source) if self.residual is not None else None
+        self.norms: dict[int, float] = {}
+
+    async def run(self) -> None:
+        try:
+            # the reducer itself may wait round_timeout for a slow member before it averages a chunk
+            await asyncio.wait_for(self._exchange(), self.config.round_timeout + self.config.join_timeout)
+        except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
+            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            logger.warning("Round %s: reducer %s of span %d failed: %s", self.group.round_id, self.member,
+                           self.index, reason)
+            self.report.excluded.setdefault(self.member, reason)
+            self.report.failed_spans.append(self.index)
+        start = self.span[0]
+        for k, (a, b) in enumerate(self.chunks):
+            if k not in self.received:
+                self.result[start + a : start + b] = self.flat[start + a : start + b]
+        if self.errors:
+            self.report.codec_error = max(self.report.codec_error, max(self.errors))
+
+    def _encode(self, k: int) -> asyncio.Future[tuple[bytearray, float]]:
+        a, b = self.chunks[k]
+        return asyncio.ensure_future(run_chunk_work(
+            b - a, _encode_chunk, self.source[a:b], self.carried[a:b] if self.carried is not None else None,
+            self.dropped[a:b] if self.dropped is not None else None, self.codec_config, str(self.p2p.peer_id),
+        ))
+
+    async def _exchange(self) -> None:
+        first = self._encode(0)  # coded while the stream opens
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(
+                PeerID.from_base58(self.member), self.handler)
+        except BaseException:
+            first.cancel()
+            raise
+        sending = asyncio.ensure_future(self._send(writer, first))
+        collecting = asyncio.ensure_future(self._collect_all(reader))
+        try:
+            # a failure on either side ends the exchange now, not when the reducer gives up on us
+            await asyncio.wait((sending, collecting), return_when=asyncio.FIRST_EXCEPTION)
+            for task in (sending, collecting):
+                if task.done():
+                    task.result()
+            await collecting
+            await sending
+        finally:
+            sending.cancel()
+            collecting.cancel()
+            writer.close()
+
+    async def _send(self, writer: asyncio.StreamWriter, first: asyncio.Future[tuple[bytearray, float]]) -> None:
+        request = pb.ReduceRequest(
+            protocol_version=PROTOCOL_VERSION, round_id=self.group.round_id, span_index=self.index,
+            span_numel=self.source.numel(), weight=self.weight, chunk_numel=self.config.chunk_numel,
+        )
+        self.report.bytes_sent += await write_message(writer, request)
+        coding: asyncio.Future[tuple[bytearray, float]] | None = first
+        for k in range(len(self.chunks)):
+            assert coding is not None  # set for every chunk but after the last
+            payload, self.norms[k] = await coding
+            coding = self._encode(k + 1) if k + 1 < len(self.chunks) else None  # coded while this one drains
+            # length and payload in one write: a lone 8-byte write would be a frame of its own on the wire
+            sent = await write_frames(writer, [payload])
+            self.report.bytes_sent += sent  # after the await: several reducers are fed at once
+
+    async def _collect_all(self, reader: asyncio.StreamReader) -> None:
+        for k in range(len(self.chunks)):
+            await self._collect(reader, k)
+
+    async def _collect(self, reader: asyncio.StreamReader, k: int) -> None:
+        a, b = self.chunks[k]
+        response = await read_message(reader, pb.ReduceResponse, self.member)
+        self.report.bytes_received += frame_size(response.ByteSize())
+        if response.code != pb.OK or response.chunk_index != k:
+            raise ProtocolViolation(
+                f"{self.member} refused our contribution: {pb.MessageCode.Name(response.code)} {response.message}",
+                peer_id=self.member,
+            )
+        data = await read_frame(reader, max_payload_bytes(b - a), self.member, "averaged chunk")
+        self.report.bytes_received += frame_size(len(data))
+        await run_chunk_work(b - a, codec.decode, data, peer_id=self.member, expected_shape=(b - a,),
+                             out=self.out[a:b])
+        self.received.add(k)
+        # included => the reducer got our chunk k, so its encoding (and `dropped`) is complete
+        if self.carried is not None and self.dropped is not None and response.included:
+            self.carried[a:b] = self.dropped[a:b]
+            norm = self.norms.get(k, 0.0)
+            self.errors.append(float(self.dropped[a:b].norm()) / norm if norm else 0.0)
