@@ -98,7 +98,10 @@ class Matchmaker:
         # A last group too small to average is merged into the previous one rather than left alone.
         if len(chunks) > 1 and len(chunks[-1]) < self.config.min_group_size:
             chunks[-2].extend(chunks.pop())
-        return _Groups(leader=me, groups=chunks)
+        # Registration time picks who is grouped together; within a group, a member's rank (the span it
+        # reduces, and so where the error-feedback residual of that span's averages stays) follows its peer
+        # id, so the same peers get the same spans round after round.
+        return _Groups(leader=me, groups=[sorted(chunk) for chunk in chunks])
 
     async def _read(self, key: str) -> tuple[dict[str, float], _Groups | None]:
         try:
