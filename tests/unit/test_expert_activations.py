@@ -3,9 +3,6 @@ the backward of recomputing the forward pass (so keeping them changes speed and 
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -13,23 +10,16 @@ from peerd.averaging import codec
 from peerd.config import ExpertsConfig
 from peerd.experts import stash as stash_module
 from peerd.experts.backend import BackwardItem, ExpertBackend
-from peerd.experts.batching import BatchQueue, CallResult, PendingCall, wire_codec
+from peerd.experts.batching import wire_codec
 from peerd.experts.modules import build_expert
 from peerd.experts.stash import ActivationStash
-from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
+from tests.unit.expert_calls import run_calls
 
 pytestmark = pytest.mark.timeout(60)
 
 CONFIG = ExpertsConfig(hidden_dim=8, ffn_dim=16, lr=0.1, max_grad_norm=None)
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _backend() -> ExpertBackend:
@@ -122,47 +112,26 @@ def test_a_pending_step_is_applied_before_a_forward_that_keeps_its_graph() -> No
 # --- through the batch queue, as the server runs it ------------------------------------------------------------
 
 
+WAIT = 0.01  # calls submitted together share a batch
+
+
 def _payload(t: torch.Tensor) -> bytes:
     return bytes(codec.encode(t, wire_codec(lossless=True)))
-
-
-def _serve(
-    backend: ExpertBackend, stash: ActivationStash, calls: list[tuple[str, int, int, list[bytes]]]
-) -> list[CallResult]:
-    """Runs (phase, tokens, call_id, payloads) calls; each group of calls in one list is submitted together."""
-
-    async def body() -> list[CallResult]:
-        loop = asyncio.get_running_loop()
-        workers = Workers(1)
-        try:
-            queues = {
-                p: BatchQueue(backend, p, workers, loop, 1024, 4096, 0.01, stash)
-                for p in ("forward", "backward")
-            }
-            futures = []
-            for phase, tokens, call_id, payloads in calls:
-                future: asyncio.Future[CallResult] = loop.create_future()
-                assert queues[phase].submit(PendingCall("peer", tokens, payloads, True, future, 0.0, call_id))
-                futures.append(future)
-            return list(await asyncio.gather(*futures))
-        finally:
-            await asyncio.to_thread(workers.shutdown)
-
-    return asyncio.run(body())
 
 
 def test_a_backward_by_call_id_needs_only_the_gradients_and_unknown_ids_are_answered_as_gone() -> None:
     backend, stash = _backend(), ActivationStash(max_tokens=100, ttl=60)
     x, grad = torch.randn(4, 8), torch.randn(4, 8)
-    (forward,) = _serve(backend, stash, [("forward", 4, 11, [_payload(x)])])
+    (forward,) = run_calls([("forward", 4, [_payload(x)], 11)], backend, WAIT, stash)
     assert forward.code == pb.EXPERT_OK and forward.kept
-    results = _serve(
-        backend,
-        stash,
+    results = run_calls(
         [
-            ("backward", 4, 11, [_payload(grad)]),
-            ("backward", 4, 12, [_payload(grad)]),  # never kept
+            ("backward", 4, [_payload(grad)], 11),
+            ("backward", 4, [_payload(grad)], 12),  # never kept
         ],
+        backend,
+        WAIT,
+        stash,
     )
     assert [r.code for r in results] == [pb.EXPERT_OK, pb.EXPERT_ACTIVATIONS_GONE]
     assert "call_id 0" in results[1].message
@@ -174,12 +143,15 @@ def test_a_backward_by_call_id_needs_only_the_gradients_and_unknown_ids_are_answ
 def test_batched_forward_calls_keep_their_inputs_and_a_mismatched_backward_is_refused() -> None:
     backend, stash = _backend(), ActivationStash(max_tokens=100, ttl=60)
     a, b = torch.randn(2, 8), torch.randn(3, 8)
-    forwards = _serve(backend, stash, [("forward", 2, 1, [_payload(a)]), ("forward", 3, 2, [_payload(b)])])
+    forwards = run_calls(
+        [("forward", 2, [_payload(a)], 1), ("forward", 3, [_payload(b)], 2)], backend, WAIT, stash
+    )
     assert all(r.code == pb.EXPERT_OK and r.kept for r in forwards) and backend.batches["forward"] == 1
-    results = _serve(
+    results = run_calls(
+        [("backward", 2, [_payload(torch.ones(2, 8))], 1), ("backward", 2, [_payload(torch.ones(2, 8))], 2)],
         backend,
+        WAIT,
         stash,
-        [("backward", 2, 1, [_payload(torch.ones(2, 8))]), ("backward", 2, 2, [_payload(torch.ones(2, 8))])],
     )
     assert results[0].code == pb.EXPERT_OK and backend.recomputed == 1  # one batch graph cannot be split
     assert results[1].code == pb.EXPERT_BAD_REQUEST and "3 tokens" in results[1].message
@@ -187,7 +159,6 @@ def test_batched_forward_calls_keep_their_inputs_and_a_mismatched_backward_is_re
 
 def test_a_host_that_keeps_nothing_says_so_in_the_forward_answer() -> None:
     backend = _backend()
-    (forward,) = _serve(
-        backend, ActivationStash(max_tokens=0, ttl=60), [("forward", 4, 5, [_payload(torch.randn(4, 8))])]
-    )
+    nothing = ActivationStash(max_tokens=0, ttl=60)
+    (forward,) = run_calls([("forward", 4, [_payload(torch.randn(4, 8))], 5)], backend, WAIT, nothing)
     assert forward.code == pb.EXPERT_OK and not forward.kept

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,26 +14,19 @@ from peerd.averaging import codec
 from peerd.config import ExpertsConfig, MoEConfig, TaskConfig
 from peerd.errors import ConfigError, ProtocolViolation
 from peerd.experts.backend import BackwardItem, ExpertBackend
-from peerd.experts.batching import BatchQueue, CallResult, PendingCall, wire_codec
+from peerd.experts.batching import wire_codec
 from peerd.experts.dispatch import gather_quorum
 from peerd.experts.layer import RemoteMoE
 from peerd.experts.modules import build_expert
 from peerd.experts.records import ExpertReader, ExpertRecord, parse_expert_record
 from peerd.experts.router import load_balancing_loss, renormalize, route
-from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
+from tests.unit.expert_calls import run_calls
 
 pytestmark = pytest.mark.timeout(60)
 
 PEER = "12D3KooWENjauiKw6XaCcnEGVweaqxyu3PpadrVWp1hEAZQydvFL"
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --- router -------------------------------------------------------------------------------------------------
@@ -245,35 +237,12 @@ def _nan_payload(shape: tuple[int, int]) -> bytes:
     return bytes(data)
 
 
-def _run_calls(
-    queue_calls: list[tuple[str, int, list[bytes]]], backend: ExpertBackend, wait: float = 0.0
-) -> list[CallResult]:
-    async def body() -> list[CallResult]:
-        loop = asyncio.get_running_loop()
-        workers = Workers(1)
-        try:
-            queues = {
-                phase: BatchQueue(backend, phase, workers, loop, 1024, 4096, wait)
-                for phase in ("forward", "backward")
-            }
-            futures = []
-            for phase, tokens, payloads in queue_calls:
-                future: asyncio.Future[CallResult] = loop.create_future()
-                assert queues[phase].submit(PendingCall("peer", tokens, payloads, True, future, 0.0))
-                futures.append(future)
-            return list(await asyncio.gather(*futures))
-        finally:
-            await asyncio.to_thread(workers.shutdown)  # runs the optimizer steps still pending
-
-    return asyncio.run(body())
-
-
 def test_bad_payloads_are_refused_and_never_touch_the_parameters() -> None:
     config = ExpertsConfig(hidden_dim=8, ffn_dim=16, lr=0.1)
     backend = ExpertBackend("x.0", build_expert(config, "x.0"), config)
     before = [p.detach().clone() for p in backend.params]
     good = torch.randn(3, 8)
-    results = _run_calls(
+    results = run_calls(
         [
             ("forward", 3, [_nan_payload((3, 8))]),
             ("forward", 3, [_payload(torch.randn(2, 8))]),  # shape differs from the header's 3 tokens
@@ -298,12 +267,12 @@ def test_concurrent_calls_to_one_expert_are_computed_as_one_batch_and_learn() ->
     expected = backend.module(torch.cat(inputs)).detach()
     # submitted in one go with a batch_wait: deterministic grouping (in a server, calls arriving while the
     # expert computes are grouped the same way)
-    results = _run_calls([("forward", x.shape[0], [_payload(x)]) for x in inputs], backend, wait=0.01)
+    results = run_calls([("forward", x.shape[0], [_payload(x)]) for x in inputs], backend, wait=0.01)
     assert all(r.code == pb.EXPERT_OK for r in results)
     outputs = torch.cat([codec.decode(r.payload, peer_id="host") for r in results])
     assert torch.allclose(outputs, expected, atol=1e-6)
     assert backend.batches["forward"] == 1 and results[0].batch_tokens == 6  # one batch of all 6 tokens
-    grads = _run_calls(
+    grads = run_calls(
         [("backward", x.shape[0], [_payload(x), _payload(torch.ones_like(x))]) for x in inputs],
         backend,
         wait=0.01,

@@ -27,14 +27,6 @@ CUSTOM_MODULE = "peerd_test_custom_tasks"
 BROKEN_MODULE = "peerd_test_broken_tasks"
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Peers sharing cores run one thread each; two threads stall in OpenMP barriers on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def build(name: str, options: dict[str, Any] | None = None, shard: int = 0, **config: Any) -> Task:
     return build_task(TaskConfig(name=name, options=options or {}, **config), shard)
