@@ -249,4 +249,7 @@ class SpanReducer:
     ) -> None:
         # One write for the response and its payload: one wake-up of p2pd, no lone tiny frame on the wire.
         frames = [response.SerializeToString()] + ([payload] if payload is not None else [])
-        self.bytes_sent += await write_frames(writer, frames)  # counted after the await: senders run at once
+        # not `self.bytes_sent += await ...`: that reads the counter before the await, and the answers to
+        # the other senders, running meanwhile, would have their counts overwritten
+        sent = await write_frames(writer, frames)
+        self.bytes_sent += sent

@@ -128,7 +128,8 @@ class SpanExchange:
             protocol_version=PROTOCOL_VERSION, round_id=self.group.round_id, span_index=self.index,
             span_numel=self.source.numel(), weight=self.weight, chunk_numel=self.config.chunk_numel,
         )
-        self.report.bytes_sent += await write_message(writer, request)
+        sent = await write_message(writer, request)
+        self.report.bytes_sent += sent  # after the await: the report is shared by the exchanges running at once
         coding: asyncio.Future[tuple[bytearray, float]] | None = first
         for k in range(len(self.chunks)):
             assert coding is not None  # set for every chunk but after the last

@@ -82,6 +82,28 @@ def test_three_members_get_identical_weighted_mean_and_about_one_byte_per_elemen
 
 
 @pytest.mark.timeout(90)
+def test_lossless_rounds_are_exact_and_every_byte_sent_is_counted() -> None:
+    """Averages go to every other member at once; each of those sends must reach the byte count (a counter
+    read before an await lost them, with raw payloads big enough to make the writes wait)."""
+    numel = 300_000
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        xs = [torch.randn(numel) for _ in reducers]
+        lossless = CodecConfig(lossless=True, error_feedback=False)
+        outs = await asyncio.gather(
+            *[r.all_reduce(Group("t-raw", members), x, 1.0, codec_config=lossless) for r, x in zip(reducers, xs)]
+        )
+        expected = weighted_mean(xs, [1.0, 1.0, 1.0])
+        for result, report in outs:
+            assert torch.allclose(result, expected, atol=1e-6)
+            for count in (report.bytes_sent, report.bytes_received):
+                assert 4.0 <= count / (numel * 4 / 3) < 4.01, count
+
+    asyncio.run(with_peers(3, body))
+
+
+@pytest.mark.timeout(90)
 def test_error_feedback_residual_carries_quantization_error() -> None:
     async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
         members = tuple(sorted(r.peer_id for r in reducers))
