@@ -21,10 +21,7 @@ MAX_HEADER_BYTES = 64 * 1024
 
 
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> int:
-    writer.write(len(data).to_bytes(_LENGTH_BYTES, "little"))
-    writer.write(data)
-    await writer.drain()
-    return _LENGTH_BYTES + len(data)
+    return await write_frames(writer, [data])
 
 
 async def write_frames(writer: asyncio.StreamWriter, frames: list[bytes | bytearray | memoryview]) -> int:

@@ -217,14 +217,19 @@ class ExpertClient:
         seen = self._directory.get(uid)
         if seen is None:
             raise PeerUnreachable(f"expert {uid} is not announced in the DHT")
+        request = pb.ExpertRequest(
+            protocol_version=PROTOCOL_VERSION,
+            expert_uid=uid,
+            phase=phase,
+            num_tokens=num_tokens,
+            hidden_dim=hidden_dim,
+            payload_bytes=[len(p) for p in payloads],
+            lossless=lossless,
+            call_id=call_id,
+        )
         started = time.monotonic()
         try:
-            result = await asyncio.wait_for(
-                self._exchange(
-                    seen.record.peer_id, uid, phase, payloads, num_tokens, hidden_dim, lossless, call_id
-                ),
-                timeout,
-            )
+            result = await asyncio.wait_for(self._exchange(seen.record.peer_id, request, payloads), timeout)
         except TimeoutError:
             stats.failed(f"timed out after {timeout}s", timed_out=True)
             self._fail(uid, seen, f"timed out after {timeout}s")
@@ -258,27 +263,8 @@ class ExpertClient:
             delay,
         )
 
-    async def _exchange(
-        self,
-        peer: str,
-        uid: str,
-        phase: pb.ExpertPhase,
-        payloads: list[bytearray],
-        num_tokens: int,
-        hidden_dim: int,
-        lossless: bool,
-        call_id: int,
-    ) -> Answer:
-        request = pb.ExpertRequest(
-            protocol_version=PROTOCOL_VERSION,
-            expert_uid=uid,
-            phase=phase,
-            num_tokens=num_tokens,
-            hidden_dim=hidden_dim,
-            payload_bytes=[len(p) for p in payloads],
-            lossless=lossless,
-            call_id=call_id,
-        )
+    async def _exchange(self, peer: str, request: pb.ExpertRequest, payloads: list[bytearray]) -> Answer:
+        uid, num_tokens, hidden_dim = request.expert_uid, request.num_tokens, request.hidden_dim
         shape = (num_tokens, hidden_dim)
         if self._local is not None and peer == self.swarm.peer_id:
             result = await self._local.serve_local(request, list(payloads))

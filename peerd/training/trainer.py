@@ -21,6 +21,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peerd.averaging.allreduce import AllReducer, Group
+from peerd.averaging.codec import all_finite
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
 from peerd.errors import ConfigError, GroupFailed, PeerdError, StateError
@@ -38,6 +39,14 @@ logger = logging.getLogger(__name__)
 # Seconds between progress reads while a lockstep peer waits for the others' shares (the matchmaker polls
 # the DHT at the same pace).
 LOCKSTEP_POLL = 0.1
+
+
+async def _wait_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
+    """Waits ``seconds``, or less if ``stop`` is set meanwhile: a polling pace that never delays shutdown."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
 
 
 def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -142,10 +151,8 @@ class CollaborativeTrainer:
         self.report.state = "waiting"
         logger.info("Waiting for %d trainers before the first step (training.wait_for_peers)", wanted)
         while not stop.is_set() and len(self.progress.view.peers) < wanted:
-            try:  # the periodic publisher refreshes the view; re-check at its pace
-                await asyncio.wait_for(stop.wait(), self.config.progress_period)
-            except asyncio.TimeoutError:
-                pass
+            # the periodic publisher refreshes the view; re-check at its pace
+            await _wait_unless_stopped(stop, self.config.progress_period)
         if self.progress.view.max_step > self.step and self.config.sync_state_on_join:
             await self._sync_from_swarm()
 
@@ -181,10 +188,7 @@ class CollaborativeTrainer:
                     "without them", self.step, ", ".join(missing), samples_per_step, self.config.lockstep_timeout,
                 )
                 break
-            try:
-                await asyncio.wait_for(stop.wait(), LOCKSTEP_POLL)
-            except asyncio.TimeoutError:
-                pass
+            await _wait_unless_stopped(stop, LOCKSTEP_POLL)
         return lockstep.ready_at(view, me, self.step, samples_per_step)
 
     async def _ordered(self, group: Group) -> Group:
@@ -212,7 +216,7 @@ class CollaborativeTrainer:
         await self._publish()  # others see at once that the batch is complete and join the round
         weight = float(self.samples)
         local = await asyncio.to_thread(self._flat_mean_grad, weight)
-        if not bool(torch.isfinite(local).all()):
+        if not all_finite([local]):
             logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
                          "(lower training.lr?)", self.step)
             self.optimizer.zero_grad(set_to_none=True)
@@ -342,7 +346,4 @@ class CollaborativeTrainer:
             await self.progress.refresh()
             self.report.peers_training = len(self.progress.view.peers)
             self.report.foreign_peers = dict(self.progress.view.foreign)
-            try:
-                await asyncio.wait_for(stop.wait(), self.config.progress_period)
-            except asyncio.TimeoutError:
-                pass
+            await _wait_unless_stopped(stop, self.config.progress_period)
