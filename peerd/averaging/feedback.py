@@ -1,9 +1,15 @@
-"""Error feedback for the lossy averaging codec.
+"""Error feedback for the lossy averaging codec: one primitive for every place a round codes values.
 
 Quantization error is not noise that averages out on its own: the same rounding repeats on every round of a
-slowly changing tensor. :class:`ErrorFeedback` keeps, per key, what the last payload failed to carry
-(``residual = sent - decode(encode(sent))``) and adds it to the next tensor before encoding, so the errors
-telescope: the sum of T decoded rounds differs from the sum of the inputs by one residual, not by T of them.
+slowly changing tensor. So whoever codes values keeps what the payload failed to carry
+(``dropped = values + carried - decode(payload)``) and adds it to the same elements next round: the errors
+telescope, and the sum of T decoded rounds differs from the sum of the inputs by one residual, not by T.
+
+A round codes twice (allreduce.py): each member its contribution to a span (sender.py) and each reducer the
+span's average (reducer.py). Both go through :func:`encode_with_feedback`; they differ only in where the
+results go. A sender keeps ``dropped`` apart and commits it to its residual only once the reducer reports the
+chunk included (a lost chunk must not leave a residual for values nobody received); a reducer commits at once
+and decodes in place, so it applies exactly the values every member decodes.
 """
 
 from __future__ import annotations
@@ -13,81 +19,48 @@ import torch
 from peerd.averaging.codec import decode, encode
 from peerd.config import CodecConfig
 
-__all__ = ["ErrorFeedback", "encode_with_feedback"]
-
-_SELF = "<local error feedback>"
-
-
-class ErrorFeedback:
-    """Per-key quantization residuals, each with the shape and dtype of the tensor it compensates."""
-
-    def __init__(self) -> None:
-        self._residuals: dict[str, torch.Tensor] = {}
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._residuals
-
-    def __len__(self) -> int:
-        return len(self._residuals)
-
-    def residual(self, key: str) -> torch.Tensor | None:
-        """The residual carried into the next round for ``key``, or None before its first update."""
-        return self._residuals.get(key)
-
-    def compensate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor + residual`` as a new tensor (``tensor`` itself while ``key`` has no residual yet)."""
-        residual = self._residuals.get(key)
-        if residual is None:
-            return tensor
-        self._check(key, residual, tensor)
-        return torch.add(tensor, residual)
-
-    def update(self, key: str, sent_input: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Stores ``sent_input - decoded``: what the payload built from ``sent_input`` failed to carry."""
-        if sent_input.shape != decoded.shape or sent_input.dtype != decoded.dtype:
-            raise ValueError(
-                f"error feedback for {key!r}: decoded {tuple(decoded.shape)} {decoded.dtype} does not match "
-                f"the sent tensor {tuple(sent_input.shape)} {sent_input.dtype}"
-            )
-        residual = self._residuals.get(key)
-        if residual is None:
-            self._residuals[key] = torch.sub(sent_input, decoded).contiguous()
-            return
-        self._check(key, residual, sent_input)
-        torch.sub(sent_input, decoded, out=residual)
-
-    def reset(self, key: str | None = None) -> None:
-        """Forgets the residual of ``key`` (all residuals when None), e.g. after a tensor changes shape."""
-        if key is None:
-            self._residuals.clear()
-        else:
-            self._residuals.pop(key, None)
-
-    @staticmethod
-    def _check(key: str, residual: torch.Tensor, tensor: torch.Tensor) -> None:
-        if residual.shape != tensor.shape or residual.dtype != tensor.dtype:
-            raise ValueError(
-                f"error feedback for {key!r} holds a residual of {tuple(residual.shape)} {residual.dtype} "
-                f"but the tensor is {tuple(tensor.shape)} {tensor.dtype}; call reset({key!r}) after a change"
-            )
+__all__ = ["encode_with_feedback"]
 
 
 def encode_with_feedback(
-    feedback: ErrorFeedback, key: str, tensor: torch.Tensor, config: CodecConfig
-) -> bytearray:
-    """Encodes ``tensor`` plus the carried residual of ``key`` and carries the new residual forward.
+    values: torch.Tensor,
+    config: CodecConfig,
+    peer_id: str,
+    carried: torch.Tensor | None = None,
+    dropped: torch.Tensor | None = None,
+    decoded: torch.Tensor | None = None,
+) -> tuple[bytearray, float]:
+    """Codes ``values + carried`` (``values`` alone without ``carried``).
 
-    With ``config.error_feedback`` off this is plain :func:`encode` and ``feedback`` is left untouched.
+    ``dropped``, if given, receives what the payload fails to carry; it may be ``carried`` itself, which then
+    holds the new residual. ``decoded``, if given, receives what every receiver decodes; it may be ``values``.
+    Without either, this is plain :func:`encode`. Returns the payload and the L2 norm of the coded tensor
+    (0.0 without ``dropped``), for the relative coding error a round reports. ``peer_id`` names this peer
+    in the errors of its own payload's decode, which would mean a codec bug rather than bad input.
     """
-    if not config.error_feedback:
-        return encode(tensor, config)
-    compensated = feedback.compensate(key, tensor)
-    payload = encode(compensated, config)
-    residual = feedback.residual(key)
-    if residual is None:
-        feedback.update(key, compensated, decode(payload, peer_id=_SELF))
+    for name, buffer in (("carried", carried), ("dropped", dropped), ("decoded", decoded)):
+        if buffer is not None and (buffer.shape != values.shape or buffer.dtype != values.dtype):
+            raise ValueError(
+                f"error feedback: {name} is {tuple(buffer.shape)} {buffer.dtype}, the values are "
+                f"{tuple(values.shape)} {values.dtype}"
+            )
+    if carried is not None and dropped is None:
+        raise ValueError("error feedback: carrying a residual needs `dropped` to receive the next one")
+    # The coded tensor lives in `dropped` (no allocation): it becomes the residual by subtracting the decode.
+    coded = values
+    if carried is not None and dropped is not None:
+        coded = torch.add(values, carried, out=dropped)
+    payload = encode(coded, config)
+    if dropped is None:
+        if decoded is not None:
+            decode(payload, peer_id=peer_id, out=decoded)
+        return payload, 0.0
+    norm = float(coded.norm())
+    if coded is not dropped:
+        dropped.copy_(coded)
+    if decoded is None:
+        dropped.sub_(decode(payload, peer_id=peer_id))
     else:
-        # Decode straight into the residual buffer, then turn it into the residual in place: no allocation.
-        decoded = decode(payload, peer_id=_SELF, out=residual)
-        torch.sub(compensated, decoded, out=residual)
-    return payload
+        # `decoded` may alias `values`, which `dropped` no longer needs
+        dropped.sub_(decode(payload, peer_id=peer_id, out=decoded))
+    return payload, norm

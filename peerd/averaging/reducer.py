@@ -18,6 +18,7 @@ import torch
 
 from peerd.averaging import codec
 from peerd.averaging.compute import run_chunk_work
+from peerd.averaging.feedback import encode_with_feedback
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import check_request
 from peerd.averaging.wire import frame_size, read_frame, write_frames
@@ -113,16 +114,11 @@ class SpanReducer:
         with self._sum_lock:  # after this, _add refuses the chunk (it is in _finalizing)
             self._start(index)
             average = self.out[start:end].div_(self.weights[index])
-        if self.residual is None:
-            payload = codec.encode(average, self.codec_config)
-            # Use the coded average ourselves too, so every member applies bit-identical values.
-            codec.decode(payload, peer_id=self.peer_id, out=average)
-            return payload
-        carried = self.residual[start:end]
-        carried.add_(average)  # what we code: the average plus what coding dropped from our last one
-        payload = codec.encode(carried, self.codec_config)
-        codec.decode(payload, peer_id=self.peer_id, out=average)
-        carried.sub_(average)
+        # Code the average plus what coding dropped from our last one, and use the decoded average ourselves
+        # too, so every member applies bit-identical values.
+        residual = self.residual[start:end] if self.residual is not None else None
+        payload, _ = encode_with_feedback(
+            average, self.codec_config, self.peer_id, carried=residual, dropped=residual, decoded=average)
         return payload
 
     def exclude(self, sender: str, reason: str) -> None:

@@ -17,6 +17,7 @@ from hivemind.p2p import P2P, PeerID
 
 from peerd.averaging import codec
 from peerd.averaging.compute import run_chunk_work
+from peerd.averaging.feedback import encode_with_feedback
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.wire import frame_size, read_frame, read_message, write_frames, write_message
@@ -28,22 +29,6 @@ if TYPE_CHECKING:
     from peerd.averaging.allreduce import Group, RoundReport
 
 logger = logging.getLogger(__name__)
-
-
-def _encode_chunk(
-    values: torch.Tensor, carried: torch.Tensor | None, dropped: torch.Tensor | None, config: CodecConfig,
-    peer_id: str,
-) -> tuple[bytearray, float]:
-    """Codes one chunk plus the error carried from earlier rounds; with error feedback also computes what the
-    coding dropped (into ``dropped``). Returns the payload and the norm of what was coded."""
-    if carried is not None:
-        values = values + carried
-    payload = codec.encode(values, config)
-    if dropped is None:
-        return payload, 0.0
-    codec.decode(payload, peer_id=peer_id, out=dropped)
-    torch.sub(values, dropped, out=dropped)
-    return payload, float(values.norm())
 
 
 @dataclass
@@ -95,9 +80,11 @@ class SpanExchange:
 
     def _encode(self, k: int) -> asyncio.Future[tuple[bytearray, float]]:
         a, b = self.chunks[k]
+        # what coding drops goes to `dropped`, committed to the residual once the reducer includes the chunk
         return asyncio.ensure_future(run_chunk_work(
-            b - a, _encode_chunk, self.source[a:b], self.carried[a:b] if self.carried is not None else None,
-            self.dropped[a:b] if self.dropped is not None else None, self.codec_config, str(self.p2p.peer_id),
+            b - a, encode_with_feedback, self.source[a:b], self.codec_config, str(self.p2p.peer_id),
+            carried=self.carried[a:b] if self.carried is not None else None,
+            dropped=self.dropped[a:b] if self.dropped is not None else None,
         ))
 
     async def _exchange(self) -> None:

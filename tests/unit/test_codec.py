@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from peerd.averaging import ErrorFeedback, Scheme, decode, encode, encode_with_feedback
+from peerd.averaging import Scheme, decode, encode, encode_with_feedback
 from peerd.averaging.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION, all_finite
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
@@ -323,11 +323,12 @@ def test_scale_constants() -> None:
 
 def test_error_feedback_drives_accumulated_error_to_zero() -> None:
     x = torch.randn(20_000, generator=torch.Generator().manual_seed(7))
-    feedback = ErrorFeedback()
+    residual = torch.zeros_like(x)
     rounds, total = 50, torch.zeros_like(x, dtype=torch.float64)
     single = None
     for _ in range(rounds):
-        decoded = decode(encode_with_feedback(feedback, "w", x, CONFIG), peer_id=PEER)
+        payload, _ = encode_with_feedback(x, CONFIG, PEER, carried=residual, dropped=residual)
+        decoded = decode(payload, peer_id=PEER)
         single = single if single is not None else ((decoded - x).norm() / x.norm()).item()
         total += decoded
     averaged = ((total / rounds - x).norm() / x.norm()).item()
@@ -339,42 +340,57 @@ def test_error_feedback_drives_accumulated_error_to_zero() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_error_feedback_residual_is_input_minus_decoded(dtype: torch.dtype) -> None:
+def test_error_feedback_residual_is_input_minus_decoded_and_updated_in_place(dtype: torch.dtype) -> None:
     x = torch.randn(300, 50).to(dtype)
-    feedback = ErrorFeedback()
-    payload = encode_with_feedback(feedback, "k", x, CONFIG)
-    residual = feedback.residual("k")
-    assert residual is not None and torch.equal(residual, x - decode(payload, peer_id=PEER))
-    compensated = feedback.compensate("k", x)
-    payload = encode_with_feedback(feedback, "k", x, CONFIG)
-    assert residual is feedback.residual("k")  # updated in place, no new allocation
+    residual = torch.zeros_like(x)
+    payload, _ = encode_with_feedback(x, CONFIG, PEER, carried=residual, dropped=residual)
+    assert torch.equal(residual, x - decode(payload, peer_id=PEER))
+    compensated = x + residual
+    buffer = residual.data_ptr()
+    payload, norm = encode_with_feedback(x, CONFIG, PEER, carried=residual, dropped=residual)
+    assert residual.data_ptr() == buffer  # no new allocation
     assert torch.equal(residual, compensated - decode(payload, peer_id=PEER))
+    assert math.isclose(norm, float(compensated.norm()), rel_tol=1e-6)
 
 
-def test_error_feedback_shape_mismatch_and_reset() -> None:
-    feedback = ErrorFeedback()
-    encode_with_feedback(feedback, "k", torch.randn(5000), CONFIG)
-    assert "k" in feedback and len(feedback) == 1
-    with pytest.raises(ValueError, match="reset"):
-        feedback.compensate("k", torch.randn(5001))
-    with pytest.raises(ValueError, match="reset"):
-        encode_with_feedback(feedback, "k", torch.randn(50, 100), CONFIG)
-    with pytest.raises(ValueError, match="does not match"):
-        feedback.update("k", torch.randn(5000), torch.randn(5001))
-    feedback.reset("k")
-    assert "k" not in feedback
-    encode_with_feedback(feedback, "k", torch.randn(50, 100), CONFIG)
-    encode_with_feedback(feedback, "j", torch.randn(10), CONFIG)
-    feedback.reset()
-    assert len(feedback) == 0
+def test_error_feedback_sender_keeps_dropped_apart_until_committed() -> None:
+    """A member's contribution: the residual is untouched until the reducer reports the chunk included."""
+    x, carried = torch.randn(10_000), torch.randn(10_000) * 0.01
+    before, dropped = carried.clone(), torch.empty(10_000)
+    payload, norm = encode_with_feedback(x, CONFIG, PEER, carried=carried, dropped=dropped)
+    assert torch.equal(carried, before)
+    decoded = decode(payload, peer_id=PEER)
+    assert torch.equal(dropped, (x + before) - decoded)
+    assert math.isclose(norm, float((x + before).norm()), rel_tol=1e-6)
+    assert ((decoded - (x + before)).norm() / (x + before).norm()).item() < 2e-2
 
 
-def test_error_feedback_disabled_is_plain_encode() -> None:
-    feedback = ErrorFeedback()
+def test_error_feedback_reducer_decodes_in_place_and_commits_at_once() -> None:
+    """A reducer's average: it applies exactly what members decode, and keeps what that dropped."""
+    average, residual = torch.randn(10_000), torch.randn(10_000) * 0.01
+    coded = average + residual
+    payload, _ = encode_with_feedback(average, CONFIG, PEER, carried=residual, dropped=residual, decoded=average)
+    assert torch.equal(average, decode(payload, peer_id=PEER))
+    assert torch.equal(residual, coded - average)
+    # without error feedback: still decoded in place, nothing else touched
+    values = torch.randn(10_000)
+    payload, norm = encode_with_feedback(values.clone(), CONFIG, PEER, decoded=values)
+    assert torch.equal(values, decode(payload, peer_id=PEER)) and norm == 0.0
+
+
+def test_error_feedback_without_buffers_is_plain_encode() -> None:
     x = torch.randn(5000)
-    off = CodecConfig(block_size=BLOCK, error_feedback=False)
-    assert encode_with_feedback(feedback, "k", x, off) == encode(x, off)
-    assert len(feedback) == 0
+    assert encode_with_feedback(x, CONFIG, PEER) == (encode(x, CONFIG), 0.0)
+
+
+def test_error_feedback_refuses_mismatched_buffers() -> None:
+    x = torch.randn(5000)
+    with pytest.raises(ValueError, match="carried is \\(5001,\\)"):
+        encode_with_feedback(x, CONFIG, PEER, carried=torch.zeros(5001), dropped=torch.zeros(5000))
+    with pytest.raises(ValueError, match="decoded is .* torch.float16"):
+        encode_with_feedback(x, CONFIG, PEER, decoded=torch.zeros(5000, dtype=torch.float16))
+    with pytest.raises(ValueError, match="needs `dropped`"):
+        encode_with_feedback(x, CONFIG, PEER, carried=torch.zeros(5000))
 
 
 def test_all_finite_is_exact_even_when_a_sum_overflows() -> None:
