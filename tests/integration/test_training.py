@@ -93,7 +93,6 @@ def test_sigkill_of_one_peer_mid_training_the_others_keep_averaging(swarm: Local
         report = training(peer)
         assert report["last_round"]["group_size"] == 2
         assert report["loss"] is not None and math.isfinite(report["loss"])
-        assert victim.peer_id not in peer.seen_peer_ids() or True  # record may still be alive until it expires
     assert [p.stop() for p in survivors] == [0, 0]
 
 
