@@ -178,7 +178,7 @@ def bench_peerd(iterations: int, big_iterations: int) -> tuple[list[float], list
         host.wait_ready(60)
         caller = PeerdCaller(host.ready["maddrs"][0])
         uids = caller.layer.uids if caller.layer is not None else []
-        wait_for(lambda: all(caller.client.routable(uids, HIDDEN)), 30, "the 4 experts in the DHT")
+        wait_for(lambda: all(caller.client.directory.routable(uids, HIDDEN)), 30, "the 4 experts in the DHT")
         small = measure(caller.step, BATCH, iterations, warmup=20)
         big = measure(caller.step, BIG_BATCH, big_iterations, warmup=3)
         served = host.status()["experts"]["server"]["experts"]

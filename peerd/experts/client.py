@@ -1,21 +1,16 @@
-"""The caller's side of remote experts: who is alive (DHT records), one batched call per expert and pass.
+"""The caller's side of remote experts: one batched call per expert and pass, over reused libp2p streams.
 
 :class:`ExpertClient` lives on the daemon's event loop. Model code runs on worker threads and reaches it
-through :meth:`ExpertClient.run`. It re-reads ``<run_name>.experts`` every ``refresh_period`` seconds while a
-MoE layer tracks experts; an expert is routable when its record is unexpired, its width matches and it is not
-backing off. A call that fails or times out makes its expert back off for ``retry_after`` seconds, doubling
-per consecutive failure up to :data:`MAX_BACKOFF`; a success, or a new announcement from a restarted host
-(another ``started_at``), makes it routable again at once.
+through :meth:`ExpertClient.run`. Who may be called is :class:`~peerd.experts.directory.ExpertDirectory`'s
+business (DHT records, backoff); a call that fails or times out reports it there, so its expert backs off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import threading
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,27 +19,20 @@ from hivemind.p2p import P2P
 
 from peerd.averaging import codec
 from peerd.averaging.wire import read_frame, read_message, write_frames
-from peerd.errors import ActivationsGone, PeerdError, PeerUnreachable, ProtocolViolation, RPCTimeout
-from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert, experts_key
+from peerd.errors import ActivationsGone, PeerUnreachable, ProtocolViolation, RPCTimeout
+from peerd.experts.directory import ExpertDirectory
+from peerd.experts.records import PROTOCOL_VERSION, SeenExpert, experts_key
 from peerd.experts.server import HANDLER_NAME, ExpertServer, max_payload_bytes
 from peerd.experts.stats import CallStats, latency_histogram
 from peerd.experts.streams import StreamPool
 from peerd.proto import peerd_experts_pb2 as pb
-from peerd.swarm.node import SwarmNode, now
+from peerd.swarm.node import SwarmNode
 
 __all__ = ["Answer", "ExpertClient", "LayerStats"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BACKOFF = 60.0
 T = TypeVar("T")
-
-
-@dataclass
-class _Backoff:
-    until: float  # time.monotonic()
-    delay: float
-    started_at: float  # of the record that failed; a new announcement clears the backoff
 
 
 @dataclass(frozen=True)
@@ -77,16 +65,8 @@ class ExpertClient:
     def __init__(self, swarm: SwarmNode, p2p: P2P, run_name: str) -> None:
         self.swarm = swarm
         self.p2p = p2p
-        self.key = experts_key(run_name)
+        self.directory = ExpertDirectory(swarm, experts_key(run_name))
         self._loop = asyncio.get_running_loop()
-        self._reader = ExpertReader()
-        self._directory: dict[str, SeenExpert] = {}
-        self._backoff: dict[str, _Backoff] = {}
-        self._retry_after = 2.0
-        self._refresh_period = math.inf
-        self._refresher: asyncio.Task[None] | None = None
-        self._found = threading.Event()
-        self._waited_for_experts = False
         self._streams = StreamPool(p2p, HANDLER_NAME)
         self.stats: dict[str, dict[str, CallStats]] = {}
         self._local: ExpertServer | None = None
@@ -97,85 +77,10 @@ class ExpertClient:
         """This peer's own expert server: calls to its experts go to it directly (libp2p cannot dial itself)."""
         self._local = server
 
-    # --- discovery --------------------------------------------------------------------------------------------
-
     def track(self, name: str, refresh_period: float, retry_after: float) -> LayerStats:
-        """Registers a MoE layer (any thread); starts the periodic refresh of the expert records."""
-        self._refresh_period = min(self._refresh_period, refresh_period)
-        self._retry_after = retry_after
-        stats = self.layers.setdefault(name, LayerStats())
-        self._loop.call_soon_threadsafe(self._ensure_refresher)
-        return stats
-
-    def _ensure_refresher(self) -> None:
-        if self._refresher is None or self._refresher.done():
-            self._refresher = asyncio.ensure_future(self._refresh_periodically())
-
-    async def _refresh_periodically(self) -> None:
-        while True:
-            await self.refresh()
-            # the refresh cadence, not a synchronisation wait; quicker while no expert is known (just joined)
-            await asyncio.sleep(self._refresh_period if self._directory else min(self._refresh_period, 0.2))
-
-    async def refresh(self) -> None:
-        try:
-            seen = self._reader.parse(await self.swarm.read_entries(self.key))
-        except PeerdError as e:
-            logger.warning("Could not read expert records: %s", e)
-            return
-        for uid, backoff in list(self._backoff.items()):
-            if uid in seen and seen[uid].record.started_at != backoff.started_at:
-                del self._backoff[uid]  # the host restarted: give it a chance at once
-        # A DHT read may come back incomplete (a slow node); a record we already hold stays until it expires, so
-        # an expert leaves routing exactly when its host stopped announcing it, not on a lookup hiccup.
-        current = now()
-        kept = {
-            uid: old for uid, old in self._directory.items() if old.expires_at >= current and uid not in seen
-        }
-        self._directory = {**kept, **seen}  # replaced whole: worker threads read it without a lock
-        if self._directory:
-            self._found.set()
-
-    def wait_for_experts(self, timeout: float) -> bool:
-        """Blocks a worker thread until some expert record was read, at most ``timeout`` seconds in all: a
-        model's first passes right after joining should not fall back for lack of a first DHT answer, but a
-        swarm without experts must not stall every pass."""
-        if self._found.is_set() or self._waited_for_experts:
-            return self._found.is_set()
-        found = self._found.wait(timeout)
-        self._waited_for_experts = True
-        if not found:
-            logger.warning(
-                "No expert records found in the DHT within %.0fs; MoE layers output zeros until "
-                "experts are announced",
-                timeout,
-            )
-        return found
-
-    def routable(self, uids: Iterable[str], hidden_dim: int) -> list[bool]:
-        """Per uid: announced, unexpired, of width ``hidden_dim`` and not backing off. Any thread."""
-        return [reason is None for reason in self.unroutable_reasons(uids, hidden_dim)]
-
-    def unroutable_reasons(self, uids: Iterable[str], hidden_dim: int) -> list[str | None]:
-        """Per uid: why it cannot be routed to now, or None if it can. Any thread."""
-        directory, current, clock = self._directory, now(), time.monotonic()
-        reasons: list[str | None] = []
-        for uid in uids:
-            seen = directory.get(uid)
-            backoff = self._backoff.get(uid)
-            if seen is None:
-                reasons.append("not announced")
-            elif seen.expires_at < current:
-                reasons.append(f"record expired {current - seen.expires_at:.1f}s ago")
-            elif seen.record.protocol_version != PROTOCOL_VERSION:
-                reasons.append(f"its host speaks expert protocol {seen.record.protocol_version}, not {PROTOCOL_VERSION}")
-            elif seen.record.hidden_dim != hidden_dim:
-                reasons.append(f"width {seen.record.hidden_dim}, not {hidden_dim}")
-            elif backoff is not None and backoff.until > clock:
-                reasons.append(f"backing off for {backoff.until - clock:.1f}s")
-            else:
-                reasons.append(None)
-        return reasons
+        """Registers a MoE layer (any thread); the directory starts re-reading the expert records."""
+        self.directory.track(refresh_period, retry_after)
+        return self.layers.setdefault(name, LayerStats())
 
     # --- calls ------------------------------------------------------------------------------------------------
 
@@ -214,7 +119,7 @@ class ExpertClient:
         stats = self.stats.setdefault(
             uid, {"forward": CallStats(histogram=self.latency), "backward": CallStats(histogram=self.latency)}
         )[name]
-        seen = self._directory.get(uid)
+        seen = self.directory.records.get(uid)
         if seen is None:
             raise PeerUnreachable(f"expert {uid} is not announced in the DHT")
         request = pb.ExpertRequest(
@@ -247,21 +152,12 @@ class ExpertClient:
             self._fail(uid, seen, str(e))
             raise
         stats.ok(num_tokens, time.monotonic() - started)
-        self._backoff.pop(uid, None)
+        self.directory.succeeded(uid)
         return result
 
     def _fail(self, uid: str, seen: SeenExpert, reason: str) -> None:
         self._streams.forget(seen.record.peer_id)
-        previous = self._backoff.get(uid)
-        delay = self._retry_after if previous is None else min(MAX_BACKOFF, previous.delay * 2)
-        self._backoff[uid] = _Backoff(time.monotonic() + delay, delay, seen.record.started_at)
-        logger.info(
-            "Expert %s at %s failed (%s); skipping it for %.1fs",
-            uid,
-            seen.record.peer_id,
-            reason[:200],
-            delay,
-        )
+        self.directory.failed(uid, seen, reason)
 
     async def _exchange(self, peer: str, request: pb.ExpertRequest, payloads: list[bytearray]) -> Answer:
         uid, num_tokens, hidden_dim = request.expert_uid, request.num_tokens, request.hidden_dim
@@ -314,17 +210,15 @@ class ExpertClient:
     # --- views ------------------------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        directory, clock = self._directory, time.monotonic()
+        records = self.directory.records
         experts = {}
-        for uid in sorted(set(directory) | set(self.stats)):
-            seen, backoff = directory.get(uid), self._backoff.get(uid)
+        for uid in sorted(set(records) | set(self.stats)):
+            seen = records.get(uid)
             calls = self.stats.get(uid, {})
             experts[uid] = {
                 "peer_id": seen.record.peer_id if seen else None,
                 "announced": seen is not None,
-                "backing_off_for": round(backoff.until - clock, 2)
-                if backoff and backoff.until > clock
-                else 0.0,
+                "backing_off_for": self.directory.backing_off_for(uid),
                 "updates": seen.record.updates if seen else None,
                 **{phase: stats.as_dict() for phase, stats in calls.items()},
             }
@@ -337,7 +231,5 @@ class ExpertClient:
         return sum(s.calls for s in stats), sum(s.errors for s in stats)
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            self._refresher = None
+        await self.directory.close()
         self._streams.close()

@@ -91,8 +91,8 @@ class RemoteMoE(nn.Module):
             raise ValueError(f"expected inputs of width {self.hidden_dim}, got {tuple(x.shape)}")
         flat = x.reshape(-1, self.hidden_dim)
         client = self.client
-        client.wait_for_experts(_FIRST_REFRESH_TIMEOUT)
-        reasons = client.unroutable_reasons(self.uids, self.hidden_dim)
+        client.directory.wait_for_experts(_FIRST_REFRESH_TIMEOUT)
+        reasons = client.directory.unroutable_reasons(self.uids, self.hidden_dim)
         alive = torch.tensor([reason is None for reason in reasons], dtype=torch.bool)
         self.stats.passes += 1
         self.stats.tokens += flat.shape[0]
