@@ -29,13 +29,15 @@ def encode_with_feedback(
     carried: torch.Tensor | None = None,
     dropped: torch.Tensor | None = None,
     decoded: torch.Tensor | None = None,
+    with_norm: bool = False,
 ) -> tuple[bytearray, float]:
     """Codes ``values + carried`` (``values`` alone without ``carried``).
 
     ``dropped``, if given, receives what the payload fails to carry; it may be ``carried`` itself, which then
     holds the new residual. ``decoded``, if given, receives what every receiver decodes; it may be ``values``.
-    Without either, this is plain :func:`encode`. Returns the payload and the L2 norm of the coded tensor
-    (0.0 without ``dropped``), for the relative coding error a round reports. ``peer_id`` names this peer
+    Without either, this is plain :func:`encode`. Returns the payload and, with ``with_norm`` and
+    ``dropped``, the L2 norm of the coded tensor for the relative coding error a round reports (else 0.0: an
+    extra pass over every chunk is not paid where nobody reads it). ``peer_id`` names this peer
     in the errors of its own payload's decode, which would mean a codec bug rather than bad input.
     """
     for name, buffer in (("carried", carried), ("dropped", dropped), ("decoded", decoded)):
@@ -47,20 +49,14 @@ def encode_with_feedback(
     if carried is not None and dropped is None:
         raise ValueError("error feedback: carrying a residual needs `dropped` to receive the next one")
     # The coded tensor lives in `dropped` (no allocation): it becomes the residual by subtracting the decode.
-    coded = values
-    if carried is not None and dropped is not None:
-        coded = torch.add(values, carried, out=dropped)
+    coded = values if carried is None else torch.add(values, carried, out=dropped)
     payload = encode(coded, config)
     if dropped is None:
         if decoded is not None:
             decode(payload, peer_id=peer_id, out=decoded)
         return payload, 0.0
-    norm = float(coded.norm())
+    norm = float(coded.norm()) if with_norm else 0.0
     if coded is not dropped:
-        dropped.copy_(coded)
-    if decoded is None:
-        dropped.sub_(decode(payload, peer_id=peer_id))
-    else:
-        # `decoded` may alias `values`, which `dropped` no longer needs
-        dropped.sub_(decode(payload, peer_id=peer_id, out=decoded))
+        dropped.copy_(coded)  # before decoding: `decoded` may alias `values`
+    dropped.sub_(decode(payload, peer_id=peer_id, out=decoded))  # out=None: a fresh tensor
     return payload, norm

@@ -84,7 +84,7 @@ class SpanExchange:
         return asyncio.ensure_future(run_chunk_work(
             b - a, encode_with_feedback, self.source[a:b], self.codec_config, str(self.p2p.peer_id),
             carried=self.carried[a:b] if self.carried is not None else None,
-            dropped=self.dropped[a:b] if self.dropped is not None else None,
+            dropped=self.dropped[a:b] if self.dropped is not None else None, with_norm=True,
         ))
 
     async def _exchange(self) -> None:

@@ -231,5 +231,5 @@ class ExpertClient:
         return sum(s.calls for s in stats), sum(s.errors for s in stats)
 
     async def close(self) -> None:
-        await self.directory.close()
+        self.directory.close()
         self._streams.close()

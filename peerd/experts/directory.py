@@ -135,7 +135,7 @@ class ExpertDirectory:
         backoff, clock = self.backoff.get(uid), time.monotonic()
         return round(backoff.until - clock, 2) if backoff and backoff.until > clock else 0.0
 
-    async def close(self) -> None:
+    def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
             self._refresher = None

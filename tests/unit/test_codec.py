@@ -347,7 +347,7 @@ def test_error_feedback_residual_is_input_minus_decoded_and_updated_in_place(dty
     assert torch.equal(residual, x - decode(payload, peer_id=PEER))
     compensated = x + residual
     buffer = residual.data_ptr()
-    payload, norm = encode_with_feedback(x, CONFIG, PEER, carried=residual, dropped=residual)
+    payload, norm = encode_with_feedback(x, CONFIG, PEER, carried=residual, dropped=residual, with_norm=True)
     assert residual.data_ptr() == buffer  # no new allocation
     assert torch.equal(residual, compensated - decode(payload, peer_id=PEER))
     assert math.isclose(norm, float(compensated.norm()), rel_tol=1e-6)
@@ -357,7 +357,7 @@ def test_error_feedback_sender_keeps_dropped_apart_until_committed() -> None:
     """A member's contribution: the residual is untouched until the reducer reports the chunk included."""
     x, carried = torch.randn(10_000), torch.randn(10_000) * 0.01
     before, dropped = carried.clone(), torch.empty(10_000)
-    payload, norm = encode_with_feedback(x, CONFIG, PEER, carried=carried, dropped=dropped)
+    payload, norm = encode_with_feedback(x, CONFIG, PEER, carried=carried, dropped=dropped, with_norm=True)
     assert torch.equal(carried, before)
     decoded = decode(payload, peer_id=PEER)
     assert torch.equal(dropped, (x + before) - decoded)
