@@ -99,15 +99,19 @@ def test_missing_values_leave_families_without_samples_instead_of_zeros() -> Non
 
 
 def test_process_memory_includes_the_daemons_children() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    # the child says when its interpreter is up: right after exec its resident memory can still be under 1 MiB
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
         _, samples = parse(DaemonMetrics().render({}))
         assert samples[("peerd_process_children", ())] >= 1
         assert samples[("peerd_process_resident_memory_bytes", (("process", "children"),))] > 2**20
     finally:
-        assert child.stdin is not None
+        assert child.stdin is not None and child.stdout is not None
         child.stdin.close()
         child.wait(10)
+        child.stdout.close()
 
 
 def test_distribution_buckets_are_inclusive_upper_bounds_and_skip_nan() -> None:
