@@ -83,6 +83,9 @@ class CollaborativeTrainer:
         self.state_server = StateServer(p2p, task.fingerprint, self._serve_state)
         self.residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
         self.average_residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
+        # Reused every step: a fresh model-sized tensor per step would pay a page fault per 4 KiB each time.
+        self._local = torch.empty(self.numel)
+        self._averaged = torch.empty(self.numel)
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.numel)
@@ -228,7 +231,7 @@ class CollaborativeTrainer:
                 raise GroupFailed("no other peer is at this step")
             group = await self._ordered(await self.matchmaker.form_group(key, expected))
             averaged, round_report = await self.reducer.all_reduce(
-                group, local, weight, self.residual, average_residual=self.average_residual
+                group, local, weight, self.residual, average_residual=self.average_residual, out=self._averaged
             )
             self.report.record_round(round_report, samples=int(weight))
         except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
@@ -256,13 +259,21 @@ class CollaborativeTrainer:
         logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
     def _flat_mean_grad(self, samples: float) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return torch.cat([g.reshape(-1) for g in grads]).div_(samples)
+        offset = 0
+        for p in self.params:
+            part = self._local[offset : offset + p.numel()]
+            if p.grad is None:
+                part.zero_()
+            else:
+                part.copy_(p.grad.reshape(-1)).div_(samples)
+            offset += p.numel()
+        return self._local
 
     def _apply(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            # a view, not a copy: zero_grad(set_to_none) below drops it before the buffer is reused
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

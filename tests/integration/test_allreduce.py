@@ -96,11 +96,18 @@ def test_lossless_rounds_are_exact_and_every_byte_sent_is_counted() -> None:
         members = tuple(sorted(r.peer_id for r in reducers))
         xs = [torch.randn(numel) for _ in reducers]
         lossless = CodecConfig(lossless=True, error_feedback=False)
-        outs = await asyncio.gather(
-            *[r.all_reduce(Group("t-raw", members), x, 1.0, codec_config=lossless) for r, x in zip(reducers, xs)]
-        )
+        group = Group("t-raw", members)
+        for bad_out in (torch.empty(numel - 1), torch.empty(numel, dtype=torch.float64), xs[0], xs[0][:]):
+            with pytest.raises(ValueError, match="out must"):  # refused before anything is sent
+                await reducers[0].all_reduce(group, xs[0], 1.0, codec_config=lossless, out=bad_out)
+        buffers = [torch.full((numel,), math.nan) for _ in reducers]  # the caller's own result buffers
+        outs = await asyncio.gather(*[
+            r.all_reduce(group, x, 1.0, codec_config=lossless, out=buffer)
+            for r, x, buffer in zip(reducers, xs, buffers)
+        ])
         expected = weighted_mean(xs, [1.0, 1.0, 1.0])
-        for result, report in outs:
+        for (result, report), buffer in zip(outs, buffers):
+            assert result is buffer
             assert torch.allclose(result, expected, atol=1e-6)
             for count in (report.bytes_sent, report.bytes_received):
                 assert 4.0 <= count / (numel * 4 / 3) < 4.01, count
