@@ -307,7 +307,8 @@ def peerd_worker(ctx: WorkerCtx) -> None:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     async def make_p2p() -> P2P:
-        kwargs = dict(host_maddrs=[f"/ip4/{ctx.addr}/tcp/0"], nat_port_map=False, use_relay=False, auto_nat=False)
+        kwargs = {"host_maddrs": [f"/ip4/{ctx.addr}/tcp/0"], "nat_port_map": False, "use_relay": False,
+                  "auto_nat": False}
         if ctx.rank == 0:
             return await P2P.create(**kwargs)
         return await P2P.create(initial_peers=ctx.lookup("peerd-maddrs"), **kwargs)

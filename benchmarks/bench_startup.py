@@ -47,7 +47,7 @@ def main() -> None:
         for _ in range(args.runs):
             joiner = swarm.spawn_peer()
             joiner.wait_ready(60)
-            wait_for(lambda: joiner.peer_id in bootstrap.seen_peer_ids(), 60, "bootstrap to list joiner", 0.02)
+            wait_for(lambda j=joiner: j.peer_id in bootstrap.seen_peer_ids(), 60, "bootstrap to list joiner", 0.02)
             listed_times.append(time.monotonic() - joiner.started_at)
             ready_times.append(joiner.ready_after or 0.0)
             joiner.stop()

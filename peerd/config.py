@@ -21,6 +21,7 @@ from peerd.errors import AddressError, ConfigError
 
 ENV_PREFIX = "PEERD_"
 DEFAULT_CONTROL_PORT = 7710
+Role = Literal["trainer", "expert_host", "bootstrap", "observer"]  # what a peer advertises in its record
 
 
 class _Section(BaseModel):
@@ -49,9 +50,8 @@ class SwarmConfig(_Section):
         default=None,
         description="Private key file (from `peerd keygen`) that makes the peer id stable across restarts.",
     )
-    roles: list[Literal["trainer", "expert_host", "bootstrap", "observer"]] = Field(
-        default_factory=lambda: ["trainer"], description="Roles advertised in this peer's record."
-    )
+    roles: list[Role] = Field(default_factory=lambda: list[Role](["trainer"]),
+                              description="Roles advertised in this peer's record.")
     record_refresh_period: float = Field(
         default=5.0, gt=0, description="Seconds between re-publications of this peer's record."
     )
@@ -458,17 +458,18 @@ class PeerdConfig(BaseSettings):
         return init_settings, env_settings, _YamlSource(settings_cls)
 
 
-_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("peerd_yaml_data", default={})
+# No default: a shared mutable default dict could leak one load's YAML into another; unset means "no YAML".
+_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("peerd_yaml_data")
 
 
 class _YamlSource(PydanticBaseSettingsSource):
     """Feeds the already-parsed YAML mapping of the current load into pydantic-settings' merge."""
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return _yaml_data.get().get(field_name), field_name, False
+        return _yaml_data.get({}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_data.get())
+        return dict(_yaml_data.get({}))
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -523,4 +524,5 @@ def config_error_from(error: ValidationError, source: str | None = None) -> Conf
 
 
 def dump_config(config: PeerdConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    text: str = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return text

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import psutil
 
@@ -53,7 +53,7 @@ class PeerProcess:
     def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes to it until stop() closes it
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "peerd", "start", *args],
@@ -230,7 +230,7 @@ class LocalSwarm:
         for peer in self.peers:
             peer.kill()
 
-    def __enter__(self) -> LocalSwarm:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

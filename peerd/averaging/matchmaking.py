@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import time
 import re
+import time
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError

@@ -73,7 +73,8 @@ async def write_message(writer: asyncio.StreamWriter, message: Message) -> int:
 async def read_message(reader: asyncio.StreamReader, message_type: type[M], peer_id: str) -> M:
     data = await read_frame(reader, MAX_HEADER_BYTES, peer_id, message_type.__name__)
     try:
-        return message_type.FromString(data)
+        message: M = message_type.FromString(data)  # protobuf's runtime is untyped
+        return message
     except DecodeError as e:
         raise ProtocolViolation(
             f"{peer_id} sent a malformed {message_type.__name__}: {e}", peer_id=peer_id

@@ -29,7 +29,7 @@ from peerd.swarm.records import PeerRecord, parse_record
 
 logger = logging.getLogger(__name__)
 
-class _IsolatedDHT(DHT):
+class _IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type information
     """hivemind's DHT process, detached from the terminal's process group and tied to our lifetime."""
 
     def run(self) -> None:
@@ -110,12 +110,12 @@ class SwarmNode:
 
     @staticmethod
     def _start_dht(config: SwarmConfig) -> DHT:
-        kwargs: dict[str, Any] = dict(
-            host_maddrs=list(config.host_maddrs),
-            startup_timeout=config.startup_timeout,
-            wait_timeout=config.request_timeout,
-            nat_port_map=config.nat_port_map,
-        )
+        kwargs: dict[str, Any] = {
+            "host_maddrs": list(config.host_maddrs),
+            "startup_timeout": config.startup_timeout,
+            "wait_timeout": config.request_timeout,
+            "nat_port_map": config.nat_port_map,
+        }
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
         if config.identity_path is not None:
@@ -133,7 +133,7 @@ class SwarmNode:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def alive(self) -> bool:
-        return self.dht.is_alive()
+        return bool(self.dht.is_alive())
 
     async def publish(self, record: PeerRecord) -> None:
         """Stores our record with a fresh expiration. Expirations only grow: the DHT keeps the newest."""
@@ -158,7 +158,7 @@ class SwarmNode:
         future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         try:
             ok = bool(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
-        except (asyncio.TimeoutError, TimeoutError) as e:
+        except TimeoutError as e:
             raise TransportError(f"storing {key} timed out after {self.config.request_timeout}s") from e
         if not ok:
             logger.debug("DHT store of %s was not accepted by any node (alone in the swarm?)", key)
@@ -169,7 +169,7 @@ class SwarmNode:
         future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
-        except (asyncio.TimeoutError, TimeoutError) as e:
+        except TimeoutError as e:
             raise TransportError(f"reading {key} timed out after {self.config.request_timeout}s") from e
         if found is None or not isinstance(found.value, dict):
             return {}
@@ -213,7 +213,7 @@ def _short(error: BaseException | None) -> str:
 
 
 def now() -> float:
-    return get_dht_time()
+    return float(get_dht_time())
 
 
-__all__: Sequence[str] = ["SwarmNode", "SeenPeer", "now"]
+__all__: Sequence[str] = ["SeenPeer", "SwarmNode", "now"]

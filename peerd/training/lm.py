@@ -110,7 +110,8 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class Block(nn.Module):
@@ -123,7 +124,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_attn(x))
-        return x + self.ffn(self.ln_ffn(x))
+        out: torch.Tensor = x + self.ffn(self.ln_ffn(x))
+        return out
 
 
 class ByteTransformer(nn.Module):
@@ -158,7 +160,8 @@ class ByteTransformer(nn.Module):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_out(x))
+        logits: torch.Tensor = self.head(self.ln_out(x))
+        return logits
 
 
 def stdlib_sources(max_files: int) -> list[Path]:
@@ -233,7 +236,7 @@ class LMTask(Task):
         self._shard_seed = derive_seed(seed, "shard", shard_index)
         generator = torch.Generator().manual_seed(derive_seed(seed, "validation"))
         x, y = _windows(self.val_data, options.val_batches * options.batch_size, options.seq_len, generator)
-        self._validation = list(zip(x.split(options.batch_size), y.split(options.batch_size), strict=True))
+        self._validation = list(zip(torch.split(x, options.batch_size), torch.split(y, options.batch_size), strict=True))
 
     def train_batches(self) -> Iterator[LMBatch]:
         generator = torch.Generator().manual_seed(self._shard_seed)

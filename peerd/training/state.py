@@ -65,8 +65,7 @@ def unpack_state(
             raise StateError(f"{source}: parameter {name} has the wrong type, shape or dtype")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise StateError(f"{source}: parameter {name} holds NaN or Inf")
-    optimizer_state = state.get("optimizer")
-    _check_optimizer_state(optimizer_state, source)
+    optimizer_state = _check_optimizer_state(state.get("optimizer"), source)
     backup = optimizer.state_dict()
     try:
         optimizer.load_state_dict(optimizer_state)
@@ -77,7 +76,7 @@ def unpack_state(
     return step
 
 
-def _check_optimizer_state(state: Any, source: str) -> None:
+def _check_optimizer_state(state: Any, source: str) -> dict[str, Any]:
     if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
         raise StateError(f"{source}: missing or malformed optimizer state")
     for slot in state["state"].values():
@@ -86,3 +85,4 @@ def _check_optimizer_state(state: Any, source: str) -> None:
                 raise StateError(f"{source}: optimizer state {key} holds NaN or Inf")
             if isinstance(value, float) and not math.isfinite(value):
                 raise StateError(f"{source}: optimizer state {key} is not finite")
+    return state

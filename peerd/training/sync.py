@@ -77,7 +77,7 @@ async def download_state(p2p: P2P, peer_id: str, fingerprint: str, max_bytes: in
 
     try:
         return await asyncio.wait_for(fetch(), timeout)
-    except asyncio.TimeoutError as e:
+    except TimeoutError as e:
         raise StateError(f"downloading state from {peer_id} timed out after {timeout:.0f}s", source=peer_id) from e
     except StateError:
         raise

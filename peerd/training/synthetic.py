@@ -54,7 +54,7 @@ class SyntheticTask(Task):
         self._shard_seed = derive_seed(seed, "shard", shard_index)
         validation = torch.Generator().manual_seed(derive_seed(seed, "validation"))
         x, y = self._sample(options.val_size, validation)
-        self._validation = list(zip(x.split(options.batch_size), y.split(options.batch_size), strict=True))
+        self._validation = list(zip(torch.split(x, options.batch_size), torch.split(y, options.batch_size), strict=True))
 
     def _sample(self, n: int, generator: torch.Generator) -> SyntheticBatch:
         x = torch.randn(n, self.options.dim, generator=generator)

@@ -110,7 +110,7 @@ class CollaborativeTrainer:
         for server in (self.state_server, self.reducer):
             try:
                 await server.stop()
-            except Exception as e:  # p2pd may already be gone at shutdown; nothing left to unregister then
+            except Exception as e:  # noqa: BLE001 - p2pd may already be gone at shutdown: nothing to unregister
                 logger.debug("Could not unregister a handler: %s", e)
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class CollaborativeTrainer:
         samples = self.task.samples_in(batch)
         loss = self.task.loss(self.model, batch)
         # Gradients accumulate as sums over samples; _global_step divides by the sample count.
-        (loss * samples).backward()
+        torch.autograd.backward(loss * samples)
         return float(loss.detach()), samples
 
     async def _global_step(self, expected: int) -> None:

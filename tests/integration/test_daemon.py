@@ -25,7 +25,9 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 
 
 def peerd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "peerd", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "peerd", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 @pytest.mark.timeout(150)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
