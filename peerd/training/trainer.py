@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-import torch
 from hivemind.p2p import P2P
 
 from peerd.averaging.allreduce import AllReducer, Group
@@ -28,6 +27,7 @@ from peerd.errors import ConfigError, GroupFailed, PeerdError, StateError
 from peerd.swarm.node import SwarmNode
 from peerd.training import lockstep
 from peerd.training.checkpoint import Checkpointer
+from peerd.training.local import LocalModel
 from peerd.training.progress import ProgressTracker
 from peerd.training.report import TrainingReport
 from peerd.training.state import pack_state, unpack_state
@@ -49,15 +49,6 @@ async def _wait_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
         pass
 
 
-def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
-
-
 class CollaborativeTrainer:
     def __init__(
         self, config: TrainingConfig, averaging: AveragingConfig, task: Task, swarm: SwarmNode, p2p: P2P,
@@ -71,24 +62,16 @@ class CollaborativeTrainer:
         self.task = task
         self.swarm = swarm
         self.p2p = p2p
-        self.model = task.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(config, self.model)
-        self.numel = sum(p.numel() for p in self.params)
+        self.local = LocalModel(config, task, error_feedback=averaging.codec.error_feedback)
         self.prefix = f"{run_name}.{task.fingerprint}"
         self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl, shard_index)
         self.matchmaker = Matchmaker(swarm, averaging)
         self.reducer = AllReducer(p2p, averaging)
         self.lossless = averaging.codec.model_copy(update={"lossless": True, "error_feedback": False})
         self.state_server = StateServer(p2p, task.fingerprint, self._serve_state)
-        self.residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
-        self.average_residual = torch.zeros(self.numel) if averaging.codec.error_feedback else None
-        # Reused every step: a fresh model-sized tensor per step would pay a page fault per 4 KiB each time.
-        self._local = torch.empty(self.numel)
-        self._averaged = torch.empty(self.numel)
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
-        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.numel)
+        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel)
         self.step = 0
         self.samples = 0
         self._step_lock = asyncio.Lock()
@@ -96,7 +79,8 @@ class CollaborativeTrainer:
 
     async def start(self) -> None:
         if self.config.resume and self.checkpointer is not None:
-            step = await asyncio.to_thread(self.checkpointer.resume, self.model, self.optimizer, self.task.fingerprint)
+            step = await asyncio.to_thread(self.checkpointer.resume, self.local.model, self.local.optimizer,
+                                         self.task.fingerprint)
             self.step = step or 0
         for server in (self.reducer, self.state_server):
             await server.start()
@@ -162,7 +146,7 @@ class CollaborativeTrainer:
     async def _micro_step(self) -> None:
         started = time.monotonic()
         batch = next(self._batches)
-        loss, samples = await asyncio.to_thread(self._forward_backward, batch)
+        loss, samples = await asyncio.to_thread(self.local.forward_backward, batch)
         self.samples += samples
         self.report.record_loss(loss, samples, time.monotonic() - started)
         if self.lockstep is not None and self.samples > self.lockstep:
@@ -204,13 +188,6 @@ class CollaborativeTrainer:
             records = (await self.progress.refresh()).peers
         return Group(group.round_id, lockstep.canonical_order(group.members, records))
 
-    def _forward_backward(self, batch: Batch) -> tuple[float, int]:
-        samples = self.task.samples_in(batch)
-        loss = self.task.loss(self.model, batch)
-        # Gradients accumulate as sums over samples; _global_step divides by the sample count.
-        torch.autograd.backward(loss * samples)
-        return float(loss.detach()), samples
-
     async def _global_step(self, expected: int) -> None:
         """``expected``: trainers currently active with our fingerprint, this one included. While others are
         active we always try to average with them (the leader waits for them up to the matchmaking window)
@@ -218,11 +195,11 @@ class CollaborativeTrainer:
         self.report.state = "averaging"
         await self._publish()  # others see at once that the batch is complete and join the round
         weight = float(self.samples)
-        local = await asyncio.to_thread(self._flat_mean_grad, weight)
+        local = await asyncio.to_thread(self.local.flat_mean_grad, weight)
         if not all_finite([local]):
             logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
                          "(lower training.lr?)", self.step)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.local.drop_gradients()
             self.samples = 0
             return
         key = f"{self.prefix}.grad.{self.step}"
@@ -231,7 +208,8 @@ class CollaborativeTrainer:
                 raise GroupFailed("no other peer is at this step")
             group = await self._ordered(await self.matchmaker.form_group(key, expected))
             averaged, round_report = await self.reducer.all_reduce(
-                group, local, weight, self.residual, average_residual=self.average_residual, out=self._averaged
+                group, local, weight, self.local.residual, average_residual=self.local.average_residual,
+                out=self.local.averaged,
             )
             self.report.record_round(round_report, samples=int(weight))
         except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
@@ -239,7 +217,7 @@ class CollaborativeTrainer:
             averaged = local
             self.report.rounds_solo += 1
         async with self._step_lock:
-            await asyncio.to_thread(self._apply, averaged)
+            await asyncio.to_thread(self.local.apply, averaged)
             self.step += 1
             self.samples = 0
         self.report.step = self.step
@@ -254,38 +232,11 @@ class CollaborativeTrainer:
             logger.info("Checkpoint %s", path)
 
     async def _validate(self) -> None:
-        self.report.validation_loss = await asyncio.to_thread(self.task.validation_loss, self.model)
+        self.report.validation_loss = await asyncio.to_thread(self.task.validation_loss, self.local.model)
         self.report.validation_step = self.step
         logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
-    def _flat_mean_grad(self, samples: float) -> torch.Tensor:
-        offset = 0
-        for p in self.params:
-            part = self._local[offset : offset + p.numel()]
-            if p.grad is None:
-                part.zero_()
-            else:
-                part.copy_(p.grad.reshape(-1)).div_(samples)
-            offset += p.numel()
-        return self._local
-
-    def _apply(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            # a view, not a copy: zero_grad(set_to_none) below drops it before the buffer is reused
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     # --- state: averaging, serving, syncing -------------------------------------------------------------------
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        tensors = [p.data for p in self.params]
-        for p in self.params:
-            slot = self.optimizer.state.get(p, {})
-            tensors += [slot[k] for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if k in slot]
-        return tensors
 
     async def _average_state(self) -> None:
         key = f"{self.prefix}.state.{self.step}"
@@ -295,20 +246,17 @@ class CollaborativeTrainer:
         try:
             group = await self._ordered(await self.matchmaker.form_group(key, expected))
             async with self._step_lock:
-                tensors = self._state_tensors()
-                flat = torch.cat([t.reshape(-1) for t in tensors])
+                flat = self.local.flat_state()
                 averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
                 self.report.record_traffic("state", state_round.bytes_sent, state_round.bytes_received)
-                offset = 0
-                for t in tensors:
-                    t.copy_(averaged[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                self.local.load_flat_state(averaged)
         except PeerdError as e:
             logger.info("State averaging at step %d skipped: %s", self.step, e)
 
     async def _pack(self) -> bytes:
         async with self._step_lock:
-            return await asyncio.to_thread(pack_state, self.model, self.optimizer, self.step, self.task.fingerprint)
+            return await asyncio.to_thread(pack_state, self.local.model, self.local.optimizer, self.step,
+                                           self.task.fingerprint)
 
     async def _serve_state(self) -> tuple[int, bytes] | None:
         return self.step, await self._pack()
@@ -327,14 +275,13 @@ class CollaborativeTrainer:
                 )
                 async with self._step_lock:
                     await asyncio.to_thread(
-                        unpack_state, blob, self.model, self.optimizer, self.task.fingerprint, record.peer_id
+                        unpack_state, blob, self.local.model, self.local.optimizer, self.task.fingerprint,
+                        record.peer_id,
                     )
                     self.step, self.samples = step, 0
                     self.report.record_traffic("state_sync", 0, len(blob))
-                    self.optimizer.zero_grad(set_to_none=True)
-                    for carried in (self.residual, self.average_residual):
-                        if carried is not None:
-                            carried.zero_()
+                    self.local.drop_gradients()
+                    self.local.forget_residuals()
                 self.report.step = self.step
                 self.report.state_syncs += 1
                 logger.info("Loaded training state at step %d from %s", step, record.peer_id)

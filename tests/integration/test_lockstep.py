@@ -15,8 +15,8 @@ import torch
 
 from peerd.config import TaskConfig, TrainingConfig
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.training.local import make_optimizer
 from peerd.training.tasks import build_task
-from peerd.training.trainer import make_optimizer
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
