@@ -231,7 +231,20 @@ class LocalSwarm:
             peer.kill()
 
     def __enter__(self) -> Self:
+        # SIGTERM's default action ends this process without running __exit__, leaving every peer running
+        # (seen after `kill` of a benchmark); as an exception it unwinds through __exit__ like Ctrl-C does.
+        self._sigterm_installed = threading.current_thread() is threading.main_thread()
+        if self._sigterm_installed:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.kill_all()
+        try:
+            self.kill_all()
+        finally:
+            if self._sigterm_installed:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
@@ -86,6 +87,46 @@ def test_sigkilled_daemon_leaves_no_p2pd_behind(swarm: LocalSwarm) -> None:
     peer.proc.kill()
     peer.proc.wait(10)
     wait_for(lambda: not peer.alive_tree(), 10, "the DHT child and p2pd to follow the killed daemon")
+
+
+LAUNCHER_SCRIPT = """
+import sys, time
+from pathlib import Path
+from peerd.launcher import LocalSwarm
+with LocalSwarm(Path(sys.argv[1]), log_dir=Path(sys.argv[2])) as swarm:
+    print(" ".join(map(str, swarm.add_peer().alive_tree())), flush=True)
+    time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_a_launcher_stops_the_peers_it_started(tmp_path: Path) -> None:
+    """`kill <pid>` of a script holding a LocalSwarm (a benchmark, `peerd swarm`) must not orphan its peers."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER_SCRIPT, str(LOCAL_CONFIG), str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        assert launcher.stdout is not None
+        pids = [int(pid) for pid in launcher.stdout.readline().split()]
+        assert len(pids) >= 3, pids  # the daemon, its DHT process and p2pd
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+        wait_for(lambda: not any(_running(pid) for pid in pids), 20, "the launcher's peer processes to stop")
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+        if launcher.stdout is not None:
+            launcher.stdout.close()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)
