@@ -22,7 +22,8 @@ from peerd.averaging.wire import read_frame, read_message, write_frames
 from peerd.errors import ActivationsGone, PeerUnreachable, ProtocolViolation, RPCTimeout
 from peerd.experts.directory import ExpertDirectory
 from peerd.experts.records import PROTOCOL_VERSION, SeenExpert, experts_key
-from peerd.experts.server import HANDLER_NAME, ExpertServer, max_payload_bytes
+from peerd.experts.requests import max_payload_bytes
+from peerd.experts.server import HANDLER_NAME, ExpertServer
 from peerd.experts.stats import CallStats, latency_histogram
 from peerd.experts.streams import StreamPool
 from peerd.proto import peerd_experts_pb2 as pb
