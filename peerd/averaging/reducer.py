@@ -21,7 +21,7 @@ from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.feedback import encode_with_feedback
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import check_request
-from peerd.averaging.wire import frame_size, read_frame, write_frames
+from peerd.averaging.wire import frame_size, read_frame, wait_for_close, write_frames
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -175,12 +175,9 @@ class SpanReducer:
         except (ProtocolViolation, CodecError, ConnectionError, OSError) as e:
             self.exclude(sender, str(e))
         await answers
-        # Let the sender close the stream: closing it from here could cut averages still in flight
-        # in p2pd's buffers on a slow link.
-        try:
-            await asyncio.wait_for(reader.read(1), self.config.join_timeout)
-        except (TimeoutError, ConnectionError, OSError):
-            pass
+        # Let the sender close the stream: closing it from here could cut averages still in flight in p2pd's
+        # buffers on a slow link. A sender that sends more after its last chunk is not waited for.
+        await wait_for_close(reader, self.config.join_timeout, max_discard=1)
 
     async def _receive(self, sender: str, weight: float, reader: asyncio.StreamReader) -> None:
         scratch = torch.empty(min(self.numel, self.config.chunk_numel), dtype=torch.float32)

@@ -20,6 +20,25 @@ M = TypeVar("M", bound=Message)
 MAX_HEADER_BYTES = 64 * 1024
 
 
+async def wait_for_close(reader: asyncio.StreamReader, timeout: float, max_discard: int) -> None:
+    """Returns once the other side closed the stream, after ``timeout`` seconds, or after discarding
+    ``max_discard`` bytes it still sent, whichever comes first; a broken stream also ends the wait.
+
+    Whoever answers last lets the other side close first: closing a stream with input still unread resets it
+    (p2pd gets ECONNRESET on its unix socket), and the reset can drop an answer still in p2pd's buffers.
+    """
+    discarded = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while discarded < max_discard:
+                chunk = await reader.read(min(1 << 16, max_discard - discarded))
+                if not chunk:
+                    return
+                discarded += len(chunk)
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+
+
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> int:
     return await write_frames(writer, [data])
 

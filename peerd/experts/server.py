@@ -17,7 +17,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 
-from peerd.averaging.wire import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, write_frames
+from peerd.averaging.wire import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, wait_for_close, write_frames
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
 from peerd.experts.backend import ExpertBackend
@@ -186,7 +186,10 @@ class ExpertServer:
                 if result.code != pb.EXPERT_OK:
                     await write_frames(writer, [response.SerializeToString()])
                     self._log_refusal(peer, result)
-                    await _linger(reader)  # unread payload frames may follow: this stream is done
+                    # Unread payload frames may follow: this stream is done once the caller has our answer. Half-
+                    # closing instead does not help: p2pd then closes the caller's whole socket, a payload write
+                    # still under way fails with EPIPE and asyncio drops the answer already received.
+                    await wait_for_close(reader, LINGER_TIMEOUT, max_discard=LINGER_BYTES)
                     return
                 await write_frames(writer, [response.SerializeToString(), result.payload])
         except ProtocolViolation as e:
@@ -277,22 +280,3 @@ class ExpertServer:
             queue.close("the expert host is shutting down")
         await asyncio.to_thread(self._workers.shutdown)  # applies the optimizer steps still pending
 
-
-async def _linger(reader: asyncio.StreamReader) -> None:
-    """Discards what the caller of a refused call still sends until it closes the stream (bounded), then returns.
-
-    Closing at once with the caller's payload unread resets the stream (p2pd gets ECONNRESET on its unix socket),
-    and the reset can drop the refusal just written: the caller would see a dropped stream instead of the reason
-    (seen in about one run in four of test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving).
-    Half-closing instead does not help: p2pd then closes the caller's whole socket, and a payload write still under
-    way fails with EPIPE, which makes asyncio drop the refusal already received."""
-    try:
-        discarded = 0
-        async with asyncio.timeout(LINGER_TIMEOUT):
-            while discarded < LINGER_BYTES:
-                chunk = await reader.read(1 << 16)
-                if not chunk:
-                    return
-                discarded += len(chunk)
-    except (TimeoutError, ConnectionError, OSError):
-        pass
