@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -124,14 +124,7 @@ class PeerProcess:
             pass
 
     def alive_tree(self) -> list[int]:
-        alive = []
-        for pid in self._tree:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                continue
-        return alive
+        return alive_pids(self._tree)
 
     def send(self, sig: signal.Signals) -> None:
         self.remember_tree()
@@ -244,6 +237,18 @@ class LocalSwarm:
         finally:
             if self._sigterm_installed:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def alive_pids(pids: Iterable[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie waiting to be reaped does not count)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

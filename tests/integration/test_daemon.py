@@ -10,10 +10,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.launcher import LocalSwarm, PeerProcess, alive_pids, wait_for
 from tests.conftest import LOCAL_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -99,13 +98,6 @@ with LocalSwarm(Path(sys.argv[1]), log_dir=Path(sys.argv[2])) as swarm:
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.timeout(120)
 def test_sigterm_to_a_launcher_stops_the_peers_it_started(tmp_path: Path) -> None:
     """`kill <pid>` of a script holding a LocalSwarm (a benchmark, `peerd swarm`) must not orphan its peers."""
@@ -118,15 +110,14 @@ def test_sigterm_to_a_launcher_stops_the_peers_it_started(tmp_path: Path) -> Non
         assert len(pids) >= 3, pids  # the daemon, its DHT process and p2pd
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(30) == 128 + signal.SIGTERM
-        wait_for(lambda: not any(_running(pid) for pid in pids), 20, "the launcher's peer processes to stop")
+        wait_for(lambda: not alive_pids(pids), 20, "the launcher's peer processes to stop")
     finally:
         launcher.kill()
         launcher.wait(10)
         if launcher.stdout is not None:
             launcher.stdout.close()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in alive_pids(pids):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(60)
