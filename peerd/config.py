@@ -24,6 +24,10 @@ DEFAULT_CONTROL_PORT = 7710
 Role = Literal["trainer", "expert_host", "bootstrap", "observer"]  # what a peer advertises in its record
 
 
+def _default_roles() -> list[Role]:
+    return ["trainer"]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -50,8 +54,7 @@ class SwarmConfig(_Section):
         default=None,
         description="Private key file (from `peerd keygen`) that makes the peer id stable across restarts.",
     )
-    roles: list[Role] = Field(default_factory=lambda: list[Role](["trainer"]),
-                              description="Roles advertised in this peer's record.")
+    roles: list[Role] = Field(default_factory=_default_roles, description="Roles advertised in this peer's record.")
     record_refresh_period: float = Field(
         default=5.0, gt=0, description="Seconds between re-publications of this peer's record."
     )
