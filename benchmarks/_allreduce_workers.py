@@ -319,7 +319,7 @@ def peerd_worker(ctx: WorkerCtx) -> None:
             ctx.publish("peerd-maddrs", [str(m) for m in run(p2p.get_visible_maddrs())])
         ctx.publish(f"peerd-id-{ctx.rank}", str(p2p.peer_id))
         members = tuple(ctx.lookup(f"peerd-id-{r}") for r in range(ctx.n))
-        # PEERD_BENCH_CONFIG='{"parallel_streams": 2}' overrides any averaging option, for A/B runs
+        # PEERD_BENCH_CONFIG='{"chunk_numel": 262144}' overrides any averaging option, for A/B runs
         overrides = json.loads(os.environ.get("PEERD_BENCH_CONFIG") or "{}")
         if os.environ.get("PEERD_BENCH_CHUNK"):
             overrides["chunk_numel"] = int(os.environ["PEERD_BENCH_CHUNK"])

@@ -56,11 +56,15 @@ What limits the netns numbers (measured on this 2-core machine, Nov 2026; /tmp s
     when a window is used within 4x the session's ping RTT, measured on the idle link (~0.2 ms), so it never
     grows. The credit travels in-band behind the other direction's queued data: one stream each way between
     two peers ran 58/94 Mbit/s in 2 of 3 tries (lopsided), 2-8 streams each way ~90/90. peerd has at least two
-    streams per direction once averages flow; extra streams per pair were tried and did not help it.
+    streams per direction once averages flow; extra streams per pair (or the tensor as 2-6 concurrent
+    sub-rounds) were tried and did not clearly help it. Yet p2pd's goroutine dumps (its -pprof endpoint) show
+    5 of 6 outgoing stream copies waiting for yamux window mid-round at n=4, with the send loops idle and the
+    tbf queues under ~200 KB: the bytes wait for credit, for reasons not settled (README, Measurements).
   * CPU: packet processing of the emulated switch (veth, bridge, both tbf queues) runs in softirq context and
-    is charged to the peers' processes, so "cpu s/peer" is ~4x the loopback figure for the same bytes. With 4
-    peers (each with its own p2pd) on 2 cores, n=4 is partly CPU-bound, and other load on the machine shows
-    up directly in the netns rows: compare reruns, not single numbers.
+    is charged to the peers' processes, so "cpu s/peer" is ~4x the loopback figure for the same bytes, and
+    other load on the machine shows up in the netns rows: compare reruns, not single numbers. CPU is not what
+    holds n=4 back, though: with a larger tbf burst (no GSO re-segmentation) the cores sat 35-47% idle during
+    peerd's rounds and it still reached 76%.
 
 Load: loopback numbers are CPU-bound on 2 cores, so the load average is printed before/after each environment.
 hivemind notes: averager.step() in 1.1.12 can return successfully with part of the vector *not* averaged (a failed
