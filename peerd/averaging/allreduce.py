@@ -28,7 +28,7 @@ from peerd.averaging.layout import split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.sender import SpanExchange
-from peerd.averaging.wire import read_message, write_message
+from peerd.averaging.wire import read_message, wait_for_close, write_message
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -168,6 +168,7 @@ class AllReducer:
                 await write_message(
                     writer, pb.ReduceResponse(code=pb.UNKNOWN_ROUND, message="not in this round")
                 )
+                await wait_for_close(reader)  # its chunks may follow the request: closing now could drop this
                 return
             await reducer.serve(sender, request, reader, writer)
         except ProtocolViolation as e:

@@ -167,6 +167,7 @@ class SpanReducer:
             if code == pb.BAD_REQUEST:  # a member that sends nonsense is not waited for
                 self.exclude(sender, message)
             await self._send(writer, pb.ReduceResponse(code=code, message=message))
+            await wait_for_close(reader)  # its chunks may follow the request: closing now could drop the refusal
             return
         self.serving.add(sender)
         answers = asyncio.ensure_future(self._answer(sender, writer))

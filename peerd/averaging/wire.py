@@ -20,12 +20,22 @@ M = TypeVar("M", bound=Message)
 MAX_HEADER_BYTES = 64 * 1024
 
 
-async def wait_for_close(reader: asyncio.StreamReader, timeout: float, max_discard: int) -> None:
+# How long, and how much of its input, a refused caller gets to read our answer and close before we close.
+LINGER_TIMEOUT = 2.0
+LINGER_BYTES = 1 << 20
+
+
+async def wait_for_close(
+    reader: asyncio.StreamReader, timeout: float = LINGER_TIMEOUT, max_discard: int = LINGER_BYTES
+) -> None:
     """Returns once the other side closed the stream, after ``timeout`` seconds, or after discarding
     ``max_discard`` bytes it still sent, whichever comes first; a broken stream also ends the wait.
 
     Whoever answers last lets the other side close first: closing a stream with input still unread resets it
-    (p2pd gets ECONNRESET on its unix socket), and the reset can drop an answer still in p2pd's buffers.
+    (p2pd gets ECONNRESET on its unix socket), and the reset can drop an answer still in p2pd's buffers. A
+    refusal sent right after a request header, with the caller's payload still arriving, is the common case.
+    Half-closing instead does not help: p2pd then closes the caller's whole socket, a payload write still under
+    way fails with EPIPE and asyncio drops the answer already received.
     """
     discarded = 0
     try:

@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 HANDLER_NAME = "peerd.v1.experts.call"
 DRAIN_TIMEOUT = 10.0  # seconds to read the payload of a refused call before answering
-LINGER_TIMEOUT = 2.0  # seconds a refused caller has to read our answer and close before we close under it
-LINGER_BYTES = 1 << 20  # what we discard from it meanwhile, at most
 
 
 class ExpertServer:
@@ -186,10 +184,7 @@ class ExpertServer:
                 if result.code != pb.EXPERT_OK:
                     await write_frames(writer, [response.SerializeToString()])
                     self._log_refusal(peer, result)
-                    # Unread payload frames may follow: this stream is done once the caller has our answer. Half-
-                    # closing instead does not help: p2pd then closes the caller's whole socket, a payload write
-                    # still under way fails with EPIPE and asyncio drops the answer already received.
-                    await wait_for_close(reader, LINGER_TIMEOUT, max_discard=LINGER_BYTES)
+                    await wait_for_close(reader)  # unread payload frames may follow: this stream is done
                     return
                 await write_frames(writer, [response.SerializeToString(), result.payload])
         except ProtocolViolation as e:
