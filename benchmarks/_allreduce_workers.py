@@ -32,6 +32,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -288,37 +289,46 @@ class Backend:
     reference: bool = False  # moves bytes only (no result to check): a floor for the others, not an all-reduce
 
 
-def peerd_worker(ctx: WorkerCtx) -> None:
-    """peerd's own all-reduce: 8-bit blockwise codec (+ error feedback off: one-shot data), reduce-scatter and
-    all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd."""
+@contextlib.contextmanager
+def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any], Any], list[str]]]:
+    """This worker's hivemind P2P (its own p2pd, listening on its namespace's address) bootstrapped from rank
+    0's, on a uvloop thread; yields (p2p, run, every rank's peer id) where run(coro) waits for coro on that
+    loop. The loop keeps serving other peers' streams between the worker's own calls."""
     import asyncio
     import threading
 
     import uvloop
     from hivemind.p2p import P2P
 
-    from peerd.averaging.allreduce import AllReducer, Group
-    from peerd.config import AveragingConfig
-
     loop = uvloop.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
-    def run(coro):  # the loop keeps serving other peers' streams between our own calls
+    def run(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    async def make_p2p() -> P2P:
-        kwargs = {"host_maddrs": [f"/ip4/{ctx.addr}/tcp/0"], "nat_port_map": False, "use_relay": False,
-                  "auto_nat": False}
-        if ctx.rank == 0:
-            return await P2P.create(**kwargs)
-        return await P2P.create(initial_peers=ctx.lookup("peerd-maddrs"), **kwargs)
-
-    p2p = run(make_p2p())
+    options: dict[str, Any] = {"host_maddrs": [f"/ip4/{ctx.addr}/tcp/0"], "nat_port_map": False,
+                               "use_relay": False, "auto_nat": False}
+    if ctx.rank != 0:
+        options["initial_peers"] = ctx.lookup(f"{name}-maddrs")
+    p2p = run(P2P.create(**options))
     try:
         if ctx.rank == 0:
-            ctx.publish("peerd-maddrs", [str(m) for m in run(p2p.get_visible_maddrs())])
-        ctx.publish(f"peerd-id-{ctx.rank}", str(p2p.peer_id))
-        members = tuple(ctx.lookup(f"peerd-id-{r}") for r in range(ctx.n))
+            ctx.publish(f"{name}-maddrs", [str(m) for m in run(p2p.get_visible_maddrs())])
+        ctx.publish(f"{name}-id-{ctx.rank}", str(p2p.peer_id))
+        yield p2p, run, [ctx.lookup(f"{name}-id-{r}") for r in range(ctx.n)]
+    finally:
+        run(p2p.shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def peerd_worker(ctx: WorkerCtx) -> None:
+    """peerd's own all-reduce: 8-bit blockwise codec (+ error feedback off: one-shot data), reduce-scatter and
+    all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd."""
+    from peerd.averaging.allreduce import AllReducer, Group
+    from peerd.config import AveragingConfig
+
+    with _p2p_on_loop(ctx, "peerd") as (p2p, run, member_list):
+        members = tuple(member_list)
         # PEERD_BENCH_CONFIG='{"chunk_numel": 262144}' overrides any averaging option, for A/B runs
         overrides = json.loads(os.environ.get("PEERD_BENCH_CONFIG") or "{}")
         if os.environ.get("PEERD_BENCH_CHUNK"):
@@ -337,9 +347,6 @@ def peerd_worker(ctx: WorkerCtx) -> None:
             sent = report.bytes_sent
             ctx.check(rep, result)
         ctx.extra["payload_bytes_sent"] = sent
-    finally:
-        run(p2p.shutdown())
-        loop.call_soon_threadsafe(loop.stop)
 
 
 def tcp_worker(ctx: WorkerCtx) -> None:
@@ -405,6 +412,68 @@ def tcp_worker(ctx: WorkerCtx) -> None:
         listener.close()
 
 
+def p2pd_worker(ctx: WorkerCtx) -> None:
+    """Reference, not an all-reduce: the tcp row's bytes and pattern, but through p2pd streams as peerd's are.
+
+    Same payload split as tcp_worker (peerd's payload/peer evenly over the n-1 partners, all at once, no codec
+    and no data dependency), carried by hivemind's P2P binary streams: p2pd's one libp2p connection per pair
+    (TCP + TLS/noise + yamux) and its Unix-socket hop to this process. Two streams per ordered pair, as peerd
+    has (a member's stream to each reducer and each reducer's stream back). A peer is done when it has read
+    every byte addressed to it and each receiver confirmed its bytes (one byte back per stream: a stream closed
+    right after its last write lost its last 32 KiB through p2pd in 2 of 10 repetitions). The gap between this row
+    and tcp is what the transport costs; the gap between peerd and this row is what peerd's algorithm costs.
+    """
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    streams_per_pair = 2
+    per_stream = int(_peerd_payload(ctx.numel, ctx.n) / (ctx.n - 1) / streams_per_pair)
+    expected_streams = (ctx.n - 1) * streams_per_pair
+    received: list[int] = []  # sizes of finished incoming streams, over all repetitions
+    progress = asyncio.Condition()  # binds to the p2p loop on first use
+
+    async def handler(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got = 0
+        while chunk := await reader.read(1 << 20):
+            got += len(chunk)
+            if got >= per_stream:
+                break
+        writer.write(b"k")  # the sender closes only after this: closing with bytes in flight can lose the tail
+        await writer.drain()
+        writer.close()
+        async with progress:
+            received.append(got)
+            progress.notify_all()
+
+    async def send(member: str) -> None:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(member), "bench.bulk")
+        block = bytes(1 << 16)
+        for start in range(0, per_stream, len(block)):
+            writer.write(block[: min(len(block), per_stream - start)])
+            await writer.drain()
+        await reader.readexactly(1)
+        writer.close()
+
+    async def one_rep(members: list[str], done_before: int) -> None:
+        await asyncio.gather(*(send(m) for i, m in enumerate(members) if i != ctx.rank
+                               for _ in range(streams_per_pair)))
+        async with progress:
+            await progress.wait_for(lambda: len(received) >= done_before + expected_streams)
+
+    with _p2p_on_loop(ctx, "bulk") as (p2p, run, members):
+        run(p2p.add_binary_stream_handler("bench.bulk", handler))
+        ctx.barrier("bulk-handlers")
+        for rep in ctx.repetitions():
+            done_before = len(received)
+            with ctx.timed(rep):
+                run(asyncio.wait_for(one_rep(members, done_before), 120))
+            short = [size for size in received[done_before:] if size != per_stream]
+            if short:
+                ctx.fail(rep, f"{len(short)} incoming streams ended early ({short[0]} of {per_stream} bytes)")
+            ctx.check(rep, ctx.expected)  # nothing is averaged; records the CPU time only
+
+
 def _peerd_payload(numel: int, n: int) -> float:
     """8-bit codes + a bf16 scale per 128 elements (the default block), for 2*(n-1)/n of the tensor per peer."""
     return 2 * (n - 1) / n * numel * (1 + 2 / 128)
@@ -421,6 +490,7 @@ BACKENDS: dict[str, Backend] = {
     "peerd": Backend(peerd_worker, tolerance=0.1, payload_bytes=_peerd_payload),
     "hivemind": Backend(hivemind_worker, tolerance=1e-4, payload_bytes=_ring_like,
                         metrics=("allreduce", "step", "matchmaking")),
+    "p2pd": Backend(p2pd_worker, tolerance=0.0, payload_bytes=_peerd_payload, reference=True),
     "tcp": Backend(tcp_worker, tolerance=0.0, payload_bytes=_peerd_payload, reference=True),
 }
 

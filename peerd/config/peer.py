@@ -1,0 +1,128 @@
+"""Sections for the peer itself: how it joins the swarm, its control endpoint, its logs."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from peerd.config.base import Section
+
+DEFAULT_CONTROL_PORT = 7710
+Role = Literal["trainer", "expert_host", "bootstrap", "observer"]  # what a peer advertises in its record
+
+
+def _default_roles() -> list[Role]:
+    return ["trainer"]
+
+
+class SwarmConfig(Section):
+    """How this peer joins the swarm and what it tells others about itself."""
+
+    initial_peers: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs of peers to bootstrap from, each ending in /p2p/<peer id>. "
+        "Empty: this peer starts a new swarm.",
+    )
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        description="Multiaddrs to listen on. 0.0.0.0 lets peers on other hosts connect (hivemind's own "
+        "default, 127.0.0.1, would not); port 0 picks a free port.",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs to announce to others instead of the detected ones (e.g. a public IP or a "
+        "container DNS name). Ports must be explicit.",
+    )
+    identity_path: Path | None = Field(
+        default=None,
+        description="Private key file (from `peerd keygen`) that makes the peer id stable across restarts.",
+    )
+    roles: list[Role] = Field(default_factory=_default_roles, description="Roles advertised in this peer's record.")
+    record_refresh_period: float = Field(
+        default=5.0, gt=0, description="Seconds between re-publications of this peer's record."
+    )
+    record_ttl: float = Field(
+        default=20.0, gt=0, description="Seconds a record stays in the DHT after its last refresh."
+    )
+    nat_port_map: bool = Field(
+        default=False,
+        description="Let p2pd ask the LAN's router for a port mapping (UPnP/NAT-PMP). Off by default: it sends "
+        "discovery traffic to the local network; forward the port or set announce_maddrs instead.",
+    )
+    bootstrap_attempts: int = Field(default=3, ge=1, le=100, description="Tries to reach the initial peers.")
+    bootstrap_retry_delay: float = Field(
+        default=2.0, ge=0, description="Seconds before the first retry; doubles on each further try."
+    )
+    startup_timeout: float = Field(default=30.0, gt=0, description="Seconds for p2pd and the DHT to start.")
+    request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _check_initial_peers(cls, value: list[str]) -> list[str]:
+        from peerd.swarm.addresses import parse_peer_maddr
+
+        return [str(parse_peer_maddr(item, field=f"swarm.initial_peers[{i}]")) for i, item in enumerate(value)]
+
+    @field_validator("host_maddrs")
+    @classmethod
+    def _check_host_maddrs(cls, value: list[str]) -> list[str]:
+        from peerd.swarm.addresses import parse_listen_maddr
+
+        if not value:
+            raise ValueError("at least one listen multiaddr is required")
+        return [str(parse_listen_maddr(item, field=f"swarm.host_maddrs[{i}]")) for i, item in enumerate(value)]
+
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _check_announce_maddrs(cls, value: list[str]) -> list[str]:
+        from peerd.swarm.addresses import parse_announce_maddr
+
+        return [
+            str(parse_announce_maddr(item, field=f"swarm.announce_maddrs[{i}]")) for i, item in enumerate(value)
+        ]
+
+    @model_validator(mode="after")
+    def _check_ttl(self) -> SwarmConfig:
+        if self.record_ttl <= self.record_refresh_period:
+            raise ValueError(
+                f"swarm.record_ttl ({self.record_ttl}) must exceed swarm.record_refresh_period "
+                f"({self.record_refresh_period}), or records expire between refreshes: raise swarm.record_ttl"
+            )
+        return self
+
+
+class ControlConfig(Section):
+    """The local control endpoint (HTTP) used by `peerd status` and, later, the status page and metrics."""
+
+    host: str = Field(default="127.0.0.1", description="Address to bind; loopback unless `expose` is set.")
+    port: int = Field(
+        default=DEFAULT_CONTROL_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one."
+    )
+    expose: bool = Field(
+        default=False, description="Allow binding a non-loopback address (the endpoint has no authentication)."
+    )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> ControlConfig:
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback and not self.expose:
+            raise ValueError(
+                f"control.host={self.host!r} is not a loopback address; the control endpoint has no "
+                "authentication, so set control.expose: true to bind it anyway"
+            )
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class LoggingConfig(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
+    format: Literal["text", "json"] = Field(default="text", description="Log line format on stderr.")

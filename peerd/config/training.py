@@ -1,0 +1,163 @@
+"""Sections for collaborative training: the codec, averaging rounds, the task, checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from peerd.config.base import Section
+
+
+class CodecConfig(Section):
+    """The 8-bit blockwise quantization codec used for averaging payloads."""
+
+    block_size: int = Field(
+        default=128, ge=8, le=65536,
+        description="Elements per absmax-scaled block; 128 with bf16 scales is 1.016 bytes per element and a "
+        "relative error of 6.5e-3 on Gaussian data (benchmarks/bench_codec.py has the sweep).",
+    )
+    min_compress_numel: int = Field(
+        default=4096, ge=0, description="Tensors with fewer elements are sent as fp16 instead of 8-bit."
+    )
+    error_feedback: bool = Field(
+        default=True, description="Carry each round's quantization residual into the next round."
+    )
+    lossless: bool = Field(
+        default=False,
+        description="Send raw values instead (used internally for parameter averaging, where 8-bit noise "
+        "would be applied to the weights themselves).",
+    )
+
+
+class AveragingConfig(Section):
+    """Group formation and the all-reduce of gradients and parameters."""
+
+    codec: CodecConfig = Field(default_factory=lambda: CodecConfig())
+    target_group_size: int = Field(default=4, ge=2, le=64, description="Members per averaging group, at most.")
+    min_group_size: int = Field(default=2, ge=2, description="Fewer ready peers than this: step alone.")
+    matchmaking_window: float = Field(
+        default=1.5, gt=0, description="Seconds the first ready peer waits for others before the group is fixed."
+    )
+    round_timeout: float = Field(
+        default=20.0, gt=0, description="Seconds a reducer waits for contributions and a sender for its result."
+    )
+    join_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds a reducer waits for its own side of a round a sender already started."
+    )
+    chunk_numel: int = Field(
+        default=2**19, ge=1024, le=2**26,
+        description="Elements per streamed chunk: averages of early chunks flow back while later ones are sent. "
+        "Must match across the swarm.",
+    )
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> AveragingConfig:
+        if self.min_group_size > self.target_group_size:
+            raise ValueError(
+                f"averaging.min_group_size ({self.min_group_size}) exceeds averaging.target_group_size "
+                f"({self.target_group_size}): lower min_group_size or raise target_group_size"
+            )
+        if self.join_timeout >= self.round_timeout:
+            raise ValueError("averaging.join_timeout must be below averaging.round_timeout: lower join_timeout")
+        return self
+
+
+class TaskConfig(Section):
+    """What is trained: a built-in task or a custom ``package.module:function``."""
+
+    name: str = Field(
+        default="lm",
+        pattern=r"^([a-z_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+        description="'synthetic' (teacher-student regression with a known optimum), 'lm' (byte-level "
+        "transformer on the Python standard library's source files) or 'package.module:function'.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Task-specific options, validated by the task (unknown keys are errors)."
+    )
+    seed: int = Field(default=0, description="Seed for the initial model; must match across the swarm.")
+    shard_index: int | None = Field(
+        default=None, ge=0, description="Which data shard this peer reads; default derived from the peer id."
+    )
+    num_shards: int = Field(default=16, ge=1, description="Number of data shards the data is split into.")
+
+    @model_validator(mode="after")
+    def _check_shard(self) -> TaskConfig:
+        if self.shard_index is not None and self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"training.task.shard_index ({self.shard_index}) must be below training.task.num_shards "
+                f"({self.num_shards}): lower the index or raise num_shards"
+            )
+        return self
+
+
+class CheckpointConfig(Section):
+    directory: Path | None = Field(
+        default=None, description="Where checkpoints go; null disables them. `--resume` reads from here."
+    )
+    every_steps: int = Field(default=20, ge=1, description="Global steps between checkpoints.")
+    keep: int = Field(default=3, ge=1, description="How many of the newest checkpoints to keep.")
+
+
+class TrainingConfig(Section):
+    """Collaborative training; only peers with ``enabled: true`` train."""
+
+    enabled: bool = Field(default=False, description="Train the task with the swarm.")
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(default="adam", description="Same on every peer.")
+    lr: float = Field(default=3e-3, gt=0, allow_inf_nan=False, description="Learning rate.")
+    momentum: float = Field(default=0.0, ge=0, lt=1, description="SGD momentum.")
+    weight_decay: float = Field(default=0.0, ge=0, description="Weight decay.")
+    target_batch_size: int = Field(
+        default=256, ge=1,
+        description="Samples summed over the swarm's peers per global optimizer step (unused when "
+        "samples_per_step is set).",
+    )
+    samples_per_step: int | None = Field(
+        default=None, ge=1,
+        description="Lockstep mode: this peer contributes exactly this many samples (whole micro-batches: a "
+        "multiple of the task's batch_size) to every global step, then stops computing and waits until every "
+        "trainer at its step (or finishing the previous one) has its share too, at most lockstep_timeout; the "
+        "global batch is samples_per_step times the trainers at the step. Group members are ordered by data "
+        "shard, so with explicit training.task.shard_index values two runs of the same config see the same "
+        "samples and average them the same way. null: contribute whatever was accumulated when the swarm "
+        "reached target_batch_size (faster peers contribute more; results depend on timing).",
+    )
+    lockstep_timeout: float = Field(
+        default=60.0, gt=0,
+        description="Lockstep mode: seconds a peer that has its samples_per_step waits for the others' before "
+        "averaging with those that have theirs (a dead peer also drops out once its progress record expires, "
+        "after progress_ttl).",
+    )
+    max_steps: int | None = Field(default=None, ge=1, description="Stop training (keep serving) after this step.")
+    wait_for_peers: int = Field(
+        default=1, ge=1, description="Trainers (this one included) that must be up before the first step."
+    )
+    progress_period: float = Field(default=0.5, gt=0, description="Seconds between progress publications.")
+    progress_ttl: float = Field(default=10.0, gt=0, description="Seconds a progress record stays valid.")
+    state_averaging_every: int = Field(
+        default=10, ge=0, description="Average parameters and optimizer state every N steps (0: never)."
+    )
+    validation_every: int = Field(default=5, ge=1, description="Compute validation loss every N steps.")
+    sync_state_on_join: bool = Field(
+        default=True, description="A peer joining a swarm already past step 0 downloads its state first."
+    )
+    max_state_bytes: int = Field(default=2**31, ge=1024, description="Largest state accepted from a peer.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: bool = Field(default=False, description="Start from the newest usable checkpoint (--resume).")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        if self.resume and self.checkpoint.directory is None:
+            raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
+        if self.progress_ttl <= self.progress_period:
+            raise ValueError("training.progress_ttl must exceed training.progress_period: raise progress_ttl")
+        if self.samples_per_step is not None and self.lockstep_timeout <= self.progress_period:
+            # peers learn that the others are done through progress records, refreshed this often
+            raise ValueError(
+                f"training.lockstep_timeout ({self.lockstep_timeout}) must exceed training.progress_period "
+                f"({self.progress_period}), or lockstep peers stop waiting before they could see each other: "
+                "raise training.lockstep_timeout"
+            )
+        return self
