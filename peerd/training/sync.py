@@ -8,13 +8,16 @@ from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
+from peerd.averaging.wire import read_frame, read_message, wait_for_close, write_frame, write_message
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 HANDLER_NAME = "peerd.v1.training.state"
+# How long a server waits for the joiner to finish reading before it closes anyway: what p2pd still holds
+# (a yamux window and socket buffers, ~1 MB) takes seconds on a slow link.
+LINGER_TIMEOUT = 30.0
 
 # Returns (step, state bytes), or None while there is nothing to serve.
 StateProvider = Callable[[], Awaitable[tuple[int, bytes] | None]]
@@ -35,25 +38,32 @@ class StateServer:
     async def _handle(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(getattr(info, "peer_id", "?"))
         try:
-            request = await read_message(reader, pb.StateRequest, peer)
-            if request.fingerprint != self.fingerprint:
-                await write_message(writer, pb.StateResponse(
-                    code=pb.STATE_FINGERPRINT_MISMATCH,
-                    message=f"this peer trains fingerprint {self.fingerprint}, not {request.fingerprint}",
-                ))
-                return
-            state = await self.provider()
-            if state is None:
-                await write_message(writer, pb.StateResponse(code=pb.STATE_UNAVAILABLE, message="not training"))
-                return
-            step, blob = state
-            await write_message(writer, pb.StateResponse(code=pb.STATE_OK, step=step, payload_bytes=len(blob)))
-            await write_frame(writer, blob)
-            logger.info("Sent training state at step %d (%d bytes) to %s", step, len(blob), peer)
+            await self._answer(reader, writer, peer)
+            # The requester closes once it has read everything. Closing first, right after the last write, can
+            # lose the tail inside p2pd: a stream closed that way lost its last 32 KiB in 2 of ~500 transfers
+            # (benchmarks/bench_allreduce.py's p2pd row under load), and a joiner would see truncated state.
+            await wait_for_close(reader, timeout=LINGER_TIMEOUT, max_discard=1)
         except (ProtocolViolation, ConnectionError, OSError) as e:
             logger.info("State request from %s failed: %s", peer, e)
         finally:
             writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        request = await read_message(reader, pb.StateRequest, peer)
+        if request.fingerprint != self.fingerprint:
+            await write_message(writer, pb.StateResponse(
+                code=pb.STATE_FINGERPRINT_MISMATCH,
+                message=f"this peer trains fingerprint {self.fingerprint}, not {request.fingerprint}",
+            ))
+            return
+        state = await self.provider()
+        if state is None:
+            await write_message(writer, pb.StateResponse(code=pb.STATE_UNAVAILABLE, message="not training"))
+            return
+        step, blob = state
+        await write_message(writer, pb.StateResponse(code=pb.STATE_OK, step=step, payload_bytes=len(blob)))
+        await write_frame(writer, blob)
+        logger.info("Sent training state at step %d (%d bytes) to %s", step, len(blob), peer)
 
 
 async def download_state(p2p: P2P, peer_id: str, fingerprint: str, max_bytes: int, timeout: float) -> tuple[int, bytes]:
