@@ -87,6 +87,7 @@ class WorkerCtx:
     rdv: Path
     iface: str | None = None
     port: int = 29500
+    transport: str = "tcp"  # libp2p transport of the p2pd-based backends: tcp or quic
     input: torch.Tensor = field(init=False)
     expected: torch.Tensor = field(init=False)
     records: list[dict] = field(default_factory=list)
@@ -102,6 +103,11 @@ class WorkerCtx:
     @property
     def addr(self) -> str:
         return self.addrs[self.rank]
+
+    @property
+    def listen_maddr(self) -> str:
+        """Where this rank's p2pd listens (p2pd's default is 127.0.0.1, unreachable from other namespaces)."""
+        return f"/ip4/{self.addr}/udp/0/quic-v1" if self.transport == "quic" else f"/ip4/{self.addr}/tcp/0"
 
     # -- rendezvous through a directory every process sees (namespaces share the filesystem) --
     def publish(self, key: str, value) -> None:
@@ -230,7 +236,7 @@ def hivemind_worker(ctx: WorkerCtx) -> None:
     # Only our own peers: no NAT port mapping (UPnP/NAT-PMP would probe the LAN gateway from the root namespace),
     # no relays, no AutoNAT.
     p2p_kwargs = {"nat_port_map": False, "use_relay": False, "auto_nat": False}
-    host_maddrs = [f"/ip4/{ctx.addr}/tcp/0"]  # p2pd listens on 127.0.0.1 by default
+    host_maddrs = [ctx.listen_maddr]
     if ctx.rank == 0:
         dht = DHT(host_maddrs=host_maddrs, start=True, **p2p_kwargs)
         ctx.publish("maddrs", [str(m) for m in dht.get_visible_maddrs()])
@@ -306,7 +312,7 @@ def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any
     def run(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    options: dict[str, Any] = {"host_maddrs": [f"/ip4/{ctx.addr}/tcp/0"], "nat_port_map": False,
+    options: dict[str, Any] = {"host_maddrs": [ctx.listen_maddr], "nat_port_map": False,
                                "use_relay": False, "auto_nat": False}
     if ctx.rank != 0:
         options["initial_peers"] = ctx.lookup(f"{name}-maddrs")
@@ -424,8 +430,11 @@ def p2pd_worker(ctx: WorkerCtx) -> None:
     and tcp is what the transport costs; the gap between peerd and this row is what peerd's algorithm costs.
     """
     import asyncio
+    import itertools
 
     from hivemind.p2p import PeerID
+
+    from peerd.averaging.wire import wait_for_close
 
     streams_per_pair = 2
     per_stream = int(_peerd_payload(ctx.numel, ctx.n) / (ctx.n - 1) / streams_per_pair)
@@ -441,6 +450,7 @@ def p2pd_worker(ctx: WorkerCtx) -> None:
                 break
         writer.write(b"k")  # the sender closes only after this: closing with bytes in flight can lose the tail
         await writer.drain()
+        await wait_for_close(reader)  # ... and so does this side: over QUIC, closing first loses the "k"
         writer.close()
         async with progress:
             received.append(got)
@@ -464,8 +474,8 @@ def p2pd_worker(ctx: WorkerCtx) -> None:
     with _p2p_on_loop(ctx, "bulk") as (p2p, run, members):
         run(p2p.add_binary_stream_handler("bench.bulk", handler))
         ctx.barrier("bulk-handlers")
-        for rep in ctx.repetitions():
-            done_before = len(received)
+        # counted, not read from len(received) after the barrier: a partner's streams may already be in by then
+        for done_before, rep in zip(itertools.count(0, expected_streams), ctx.repetitions(), strict=False):
             with ctx.timed(rep):
                 run(asyncio.wait_for(one_rep(members, done_before), 120))
             short = [size for size in received[done_before:] if size != per_stream]
@@ -540,6 +550,7 @@ def main() -> None:
     p.add_argument("--iface", default=None)
     p.add_argument("--port", type=int, default=29500)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--transport", choices=("tcp", "quic"), default="tcp")
     a = p.parse_args()
 
     torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // a.n))
@@ -547,7 +558,7 @@ def main() -> None:
     ctx = None
     try:
         ctx = WorkerCtx(a.backend, a.rank, a.n, a.addrs.split(","), a.numel, a.reps, a.warmup, Path(a.rdv),
-                        iface=a.iface, port=a.port)
+                        iface=a.iface, port=a.port, transport=a.transport)
         BACKENDS[a.backend].worker(ctx)
     except BaseException as e:  # noqa: BLE001 - always report
         result["error"] = f"{type(e).__name__}: {e}"

@@ -161,7 +161,8 @@ def _kill_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
         pass
 
 
-def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: float, logdir: Path) -> GroupResult:
+def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: float, logdir: Path,
+              transport: str = "tcp") -> GroupResult:
     res = GroupResult(env.name, backend, n, numel, total_reps=env.reps)
     rdv = Path(tempfile.mkdtemp(prefix="rdv-", dir=logdir))
     port = free_port()  # free in the root namespace; the lab namespaces are fresh, so free there too
@@ -174,7 +175,8 @@ def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: 
             cmd = env.prefixes[rank] + [
                 sys.executable, str(WORKER), "--backend", backend, "--rank", str(rank), "--n", str(n),
                 "--addrs", addrs, "--numel", str(numel), "--reps", str(env.reps), "--warmup", str(warmup),
-                "--rdv", str(rdv), "--port", str(port)] + (["--iface", env.iface] if env.iface else [])
+                "--rdv", str(rdv), "--port", str(port), "--transport", transport,
+            ] + (["--iface", env.iface] if env.iface else [])
             child_env = dict(os.environ, GLOO_SOCKET_IFNAME=env.iface or "lo", PYTHONUNBUFFERED="1",
                              BENCH_HARNESS_PID=str(os.getpid()))
             with open(logdir / f"{env.name}-{backend}-n{n}-rank{rank}.log", "w") as log:
@@ -308,6 +310,8 @@ def main() -> int:
     parser.add_argument("--reps-netns", type=int, default=None, help="default 3 (--quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded repetitions before the measured ones")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
+    parser.add_argument("--transport", choices=("tcp", "quic"), default="tcp",
+                        help="libp2p transport of peerd, p2pd and hivemind (p2pd's /tcp or /udp/quic-v1)")
     parser.add_argument("--probe-seconds", type=float, default=5.0)
     parser.add_argument("--quick", action="store_true", help="smoke run: 4M elements, 2 repetitions")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
@@ -327,7 +331,8 @@ def main() -> int:
 
     t_start = time.monotonic()
     print(f"all-reduce of {numel:,} fp32 elements ({numel * 4 / 1e6:.1f} MB), peers {peers}, backends {backends}, "
-          f"warm-up {args.warmup}, {os.cpu_count()} CPU cores shared by all peers; logs in {logdir}", flush=True)
+          f"warm-up {args.warmup}, libp2p over {args.transport}, {os.cpu_count()} CPU cores shared by all peers; "
+          f"logs in {logdir}", flush=True)
     all_results: list[GroupResult] = []
     any_failure = False
     envinfo = {}
@@ -340,7 +345,7 @@ def main() -> int:
             for backend in backends:
                 per_rep = 60.0 + (4 * numel * 4 * 8 / (env.rate_mbit * 1e6) if env.rate_mbit else 30.0)
                 timeout = 120.0 + (env.reps + args.warmup) * per_rep
-                r = run_group(env, backend, n, numel, args.warmup, timeout, logdir)
+                r = run_group(env, backend, n, numel, args.warmup, timeout, logdir, args.transport)
                 any_failure |= bool(r.errors)
                 med = statistics.median(r.times["allreduce"]) if r.times.get("allreduce") else float("nan")
                 print(f"   {backend:<10} n={n}: all-reduce median {med:.3f}s over {r.good_reps}/{r.total_reps} reps "

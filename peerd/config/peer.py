@@ -29,7 +29,8 @@ class SwarmConfig(Section):
     host_maddrs: list[str] = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
         description="Multiaddrs to listen on. 0.0.0.0 lets peers on other hosts connect (hivemind's own "
-        "default, 127.0.0.1, would not); port 0 picks a free port.",
+        "default, 127.0.0.1, would not); port 0 picks a free port. TCP (/tcp/PORT) or QUIC "
+        "(/udp/PORT/quic-v1), or both: README, 'Choosing a transport'.",
     )
     announce_maddrs: list[str] = Field(
         default_factory=list,

@@ -43,7 +43,14 @@ def _require_network_and_transport(maddr: Multiaddr, text: str, field: str) -> N
         )
     if len(names) < 2 or names[1] not in _TRANSPORT_PROTOCOLS:
         raise AddressError(
-            f"{field}: {text!r} needs a transport port right after the host (/tcp/PORT)", field=field, address=text
+            f"{field}: {text!r} needs a transport port right after the host (/tcp/PORT or /udp/PORT/quic-v1)",
+            field=field, address=text,
+        )
+    if names[1] == "udp" and (len(names) < 3 or names[2] != "quic-v1"):
+        # p2pd's only UDP transport; it refuses the older draft (/quic) with "no transport for protocol"
+        raise AddressError(
+            f"{field}: {text!r}: over UDP peers speak QUIC v1 only, so the port must be followed by /quic-v1 "
+            "(e.g. /ip4/0.0.0.0/udp/31337/quic-v1)", field=field, address=text,
         )
 
 
