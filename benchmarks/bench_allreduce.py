@@ -56,10 +56,12 @@ What limits the netns numbers (measured on this 2-core machine, Nov 2026; README
     nor a fixed window per round trip explains it. Its goroutine dumps (-pprof) show the copies into yamux
     streams waiting for yamux send window while the tbf queues are short; yamux's 256 KiB stream window does
     not auto-tune here (its RTT sample is taken on the idle link), and hivemind's p2pd build has no setting
-    for it. Also tried: 1, 2, 4 or 8 streams per pair; one partner after the other; QUIC (/udp/0/quic-v1,
-    which this p2pd accepts): 64-71%, and CPU-bound with 4 peers on 2 cores.
+    for it. Also tried: 1, 2, 4 or 8 streams per pair; one partner after the other.
+  * --transport quic (libp2p's QUIC in the same p2pd, its own flow control): at n=4 peerd reaches 88-96% at 25
+    Mbit/s and 90% at 50, but costs ~0.3-0.4 core per busy peer, so at 100 Mbit/s the 4 peers saturate the 2
+    cores (64-75%).
   * peerd sits in the p2pd row's band at n=4 (77-85% in the same runs; above it at n=2), so its own algorithm
-    costs little over its transport; the 90% target at n=4 is above what this transport delivers here.
+    costs little over its transport; the 90% target at n=4 is above what either transport delivers here.
   * CPU: packet processing of the emulated switch (veth, bridge, both tbf queues) runs in softirq context and
     is charged to the peers' processes, so "cpu s/peer" is ~4x the loopback figure for the same bytes, and
     other load on the machine shows up in the netns rows: compare reruns, not single numbers.
