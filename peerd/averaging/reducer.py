@@ -21,7 +21,7 @@ from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.feedback import encode_with_feedback
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import check_request
-from peerd.averaging.wire import frame_size, read_frame, wait_for_close, write_frames
+from peerd.averaging.wire import LINGER_BYTES, frame_size, read_frame, wait_for_close, write_frames
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -177,8 +177,11 @@ class SpanReducer:
             self.exclude(sender, str(e))
         await answers
         # Let the sender close the stream: closing it from here could cut averages still in flight in p2pd's
-        # buffers on a slow link. A sender that sends more after its last chunk is not waited for.
-        await wait_for_close(reader, self.config.join_timeout, max_discard=1)
+        # buffers on a slow link (over QUIC, closing with input unread drops them every time). A sender that
+        # sends more after its last chunk is not waited for; one excluded mid-stream (an oversized or
+        # undecodable chunk) may still have the rest of its chunks on the way, which are read and dropped.
+        rest = LINGER_BYTES if sender in self.excluded else 1
+        await wait_for_close(reader, self.config.join_timeout, max_discard=rest)
 
     async def _receive(self, sender: str, weight: float, reader: asyncio.StreamReader) -> None:
         scratch = torch.empty(min(self.numel, self.config.chunk_numel), dtype=torch.float32)
