@@ -16,8 +16,9 @@ logger = logging.getLogger(__name__)
 
 HANDLER_NAME = "peerd.v1.training.state"
 # How long a server waits for the joiner to finish reading before it closes anyway: what p2pd still holds
-# (a yamux window and socket buffers, ~1 MB) takes seconds on a slow link.
-LINGER_TIMEOUT = 30.0
+# (a yamux window and socket buffers, ~1 MB) takes seconds on a slow link. Longer than wire.LINGER_TIMEOUT,
+# which covers a refusal of a few bytes.
+JOINER_READ_TIMEOUT = 30.0
 
 # Returns (step, state bytes), or None while there is nothing to serve.
 StateProvider = Callable[[], Awaitable[tuple[int, bytes] | None]]
@@ -39,10 +40,10 @@ class StateServer:
         peer = str(getattr(info, "peer_id", "?"))
         try:
             await self._answer(reader, writer, peer)
-            # The requester closes once it has read everything. Closing first, right after the last write, can
-            # lose the tail inside p2pd: a stream closed that way lost its last 32 KiB in 2 of ~500 transfers
-            # (benchmarks/bench_allreduce.py's p2pd row under load), and a joiner would see truncated state.
-            await wait_for_close(reader, timeout=LINGER_TIMEOUT, max_discard=1)
+            # The requester closes once it has read everything. Closing first, right after the last write, loses
+            # the tail inside p2pd: over QUIC every time, over TCP in 2 of ~500 transfers of the bench's p2pd
+            # row under load; a joiner would see truncated state.
+            await wait_for_close(reader, timeout=JOINER_READ_TIMEOUT, max_discard=1)
         except (ProtocolViolation, ConnectionError, OSError) as e:
             logger.info("State request from %s failed: %s", peer, e)
         finally:

@@ -18,6 +18,7 @@ from peerd.averaging.allreduce import HANDLER_NAME, AllReducer, Group, split_spa
 from peerd.averaging.wire import read_message, write_frame, write_message
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
+from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +26,6 @@ CONFIG = AveragingConfig(round_timeout=4.0, join_timeout=2.0, codec=CodecConfig(
 # For tests whose rounds never wait for round_timeout: on a loaded machine an honest member's contribution may
 # take longer than CONFIG's 4 s, and its exclusion would then fail a test about something else.
 PATIENT = CONFIG.model_copy(update={"round_timeout": 30.0})
-# libp2p transports peerd supports (swarm.host_maddrs); QUIC drops what a stream closed too early still held
-LISTEN = {"tcp": "/ip4/127.0.0.1/tcp/0", "quic": "/ip4/127.0.0.1/udp/0/quic-v1"}
 
 
 async def with_peers(

@@ -23,6 +23,7 @@ from peerd.experts.records import PROTOCOL_VERSION
 from peerd.experts.server import HANDLER_NAME
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
+from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration
 
@@ -224,13 +225,13 @@ def _tensor(rows: int, nan: bool = False) -> bytes:
     return bytes(data)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "quic"])
+@pytest.mark.parametrize("transport", LISTEN)
 @pytest.mark.timeout(120)
 def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(
     swarm: LocalSwarm, transport: str
 ) -> None:
     # refusals are the paths that close streams early; QUIC drops what a stream closed with input unread held
-    listen = {"tcp": "/ip4/127.0.0.1/tcp/0", "quic": "/ip4/127.0.0.1/udp/0/quic-v1"}[transport]
+    listen = LISTEN[transport]
     host = swarm.add_peer([*host_args(0), "--host-maddrs", listen])
     good, nan = _tensor(4), _tensor(4, nan=True)
     cases: list[tuple[str, pb.ExpertRequest, list[bytes], int | None, str]] = [

@@ -16,11 +16,11 @@ from hivemind.p2p import P2P
 
 from peerd.errors import StateError
 from peerd.training.sync import StateProvider, StateServer, download_state
+from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.timeout(90)
 
 FINGERPRINT = "fp-test"
-TRANSPORTS = {"tcp": "/ip4/127.0.0.1/tcp/0", "quic": "/ip4/127.0.0.1/udp/0/quic-v1"}
 
 
 async def with_server(listen: str, provider: StateProvider, body: Callable[[P2P, str], Awaitable[None]]) -> None:
@@ -41,7 +41,7 @@ async def with_server(listen: str, provider: StateProvider, body: Callable[[P2P,
         await server_p2p.shutdown()
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", LISTEN)
 def test_a_large_state_arrives_intact_every_time(transport: str) -> None:
     blob = os.urandom(6 << 20)  # several yamux windows: the tail is what a hasty close would lose
 
@@ -54,10 +54,10 @@ def test_a_large_state_arrives_intact_every_time(transport: str) -> None:
             assert step == 17
             assert hashlib.sha256(got).digest() == hashlib.sha256(blob).digest()
 
-    asyncio.run(with_server(TRANSPORTS[transport], provider, body))
+    asyncio.run(with_server(LISTEN[transport], provider, body))
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", LISTEN)
 def test_refusals_reach_the_joiner_with_their_reason(transport: str) -> None:
     serving: list[tuple[int, bytes] | None] = [None]
 
@@ -76,4 +76,4 @@ def test_refusals_reach_the_joiner_with_their_reason(transport: str) -> None:
             await download_state(client, server_id, FINGERPRINT, max_bytes=1024, timeout=30)
         assert await download_state(client, server_id, FINGERPRINT, max_bytes=1 << 20, timeout=30) == (3, bytes(4096))
 
-    asyncio.run(with_server(TRANSPORTS[transport], provider, body))
+    asyncio.run(with_server(LISTEN[transport], provider, body))
