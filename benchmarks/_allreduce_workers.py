@@ -330,7 +330,8 @@ def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any
 def peerd_worker(ctx: WorkerCtx) -> None:
     """peerd's own all-reduce: 8-bit blockwise codec (+ error feedback off: one-shot data), reduce-scatter and
     all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd."""
-    from peerd.averaging.allreduce import AllReducer, Group
+    from peerd.averaging.allreduce import AllReducer
+    from peerd.averaging.group import Group
     from peerd.config import AveragingConfig
 
     with _p2p_on_loop(ctx, "peerd") as (p2p, run, member_list):
@@ -434,7 +435,7 @@ def p2pd_worker(ctx: WorkerCtx) -> None:
 
     from hivemind.p2p import PeerID
 
-    from peerd.averaging.wire import wait_for_close
+    from peerd.wire.frames import wait_for_close
 
     streams_per_pair = 2
     per_stream = int(_peerd_payload(ctx.numel, ctx.n) / (ctx.n - 1) / streams_per_pair)

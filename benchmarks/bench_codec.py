@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from peerd.averaging.codec import decode, encode
 from peerd.config import CodecConfig
+from peerd.wire.codec import decode, encode
 
 PEER = "bench"
 SWEEP_BLOCKS = (32, 64, 128, 256, 512, 1024)

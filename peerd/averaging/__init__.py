@@ -1,6 +1,6 @@
-"""Averaging payloads: the 8-bit blockwise codec (wire format ``protocols/codec.v1.md``), error feedback."""
+"""Group formation through the DHT and the weighted all-reduce of 8-bit coded tensors over libp2p streams."""
 
-from peerd.averaging.codec import Scheme, decode, encode
-from peerd.averaging.feedback import encode_with_feedback
+from peerd.averaging.allreduce import HANDLER_NAME, AllReducer
+from peerd.averaging.group import Group, RoundReport
 
-__all__ = ["Scheme", "decode", "encode", "encode_with_feedback"]
+__all__ = ["HANDLER_NAME", "AllReducer", "Group", "RoundReport"]

@@ -19,50 +19,25 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P
 
+from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.sender import SpanExchange
-from peerd.averaging.wire import read_message, wait_for_close, write_message
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
+from peerd.wire.frames import read_message, wait_for_close, write_message
 
-__all__ = ["HANDLER_NAME", "PROTOCOL_VERSION", "AllReducer", "Group", "RoundReport", "split_spans"]
+__all__ = ["HANDLER_NAME", "PROTOCOL_VERSION", "AllReducer"]
 
 logger = logging.getLogger(__name__)
 
 HANDLER_NAME = "peerd.v1.averaging.reduce"
-
-
-@dataclass(frozen=True)
-class Group:
-    """The members of one all-reduce round, in rank order; identical on every member."""
-
-    round_id: str
-    members: tuple[str, ...]
-
-    def rank_of(self, peer_id: str) -> int:
-        return self.members.index(peer_id)
-
-
-@dataclass
-class RoundReport:
-    """What happened in one round, for logs, status and metrics."""
-
-    round_id: str
-    group_size: int
-    duration: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    codec_error: float = 0.0  # relative L2 error of this peer's coded contributions
-    excluded: dict[str, str] = field(default_factory=dict)  # peer id -> reason
-    failed_spans: list[int] = field(default_factory=list)
 
 
 class AllReducer:

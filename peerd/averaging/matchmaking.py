@@ -20,7 +20,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from peerd.averaging.allreduce import Group
+from peerd.averaging.group import Group
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, PeerdError
 from peerd.swarm.node import SwarmNode, now

@@ -12,22 +12,19 @@ import asyncio
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
-from peerd.averaging import codec
 from peerd.averaging.compute import run_chunk_work
-from peerd.averaging.feedback import encode_with_feedback
+from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
-from peerd.averaging.requests import check_request
-from peerd.averaging.wire import LINGER_BYTES, frame_size, read_frame, wait_for_close, write_frames
+from peerd.averaging.requests import SpanView, check_request
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
-
-if TYPE_CHECKING:
-    from peerd.averaging.allreduce import Group
+from peerd.wire import codec
+from peerd.wire.feedback import encode_with_feedback
+from peerd.wire.frames import LINGER_BYTES, frame_size, read_frame, wait_for_close, write_frames
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +52,7 @@ class SpanReducer:
         self.peer_id, self.out, self.own, self.own_weight = peer_id, out, own, weight
         self.numel = own.numel()
         self.chunks = chunk_bounds(self.numel, config.chunk_numel)
+        self.view = SpanView(group, peer_id, rank, self.numel, config.chunk_numel)
         senders = set(group.members) - {peer_id}
         self.expected = senders
         self.pending = [set(senders) for _ in self.chunks]  # whose chunk k we still wait for
@@ -161,7 +159,7 @@ class SpanReducer:
         self, sender: str, request: pb.ReduceRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         self.bytes_received += frame_size(request.ByteSize())
-        problem = check_request(self, sender, request)
+        problem = check_request(self.view, sender, request, set(self.excluded) | self.serving)
         if problem is not None:
             code, message = problem
             if code == pb.BAD_REQUEST:  # a member that sends nonsense is not waited for

@@ -10,23 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging import codec
 from peerd.averaging.compute import run_chunk_work
-from peerd.averaging.feedback import encode_with_feedback
+from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
-from peerd.averaging.wire import frame_size, read_frame, read_message, write_frames, write_message
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
-
-if TYPE_CHECKING:
-    from peerd.averaging.allreduce import Group, RoundReport
+from peerd.wire import codec
+from peerd.wire.feedback import encode_with_feedback
+from peerd.wire.frames import frame_size, read_frame, read_message, write_frames, write_message
 
 logger = logging.getLogger(__name__)
 

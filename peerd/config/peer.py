@@ -63,14 +63,14 @@ class SwarmConfig(Section):
     @field_validator("initial_peers")
     @classmethod
     def _check_initial_peers(cls, value: list[str]) -> list[str]:
-        from peerd.swarm.addresses import parse_peer_maddr
+        from peerd.config.addresses import parse_peer_maddr
 
         return [str(parse_peer_maddr(item, field=f"swarm.initial_peers[{i}]")) for i, item in enumerate(value)]
 
     @field_validator("host_maddrs")
     @classmethod
     def _check_host_maddrs(cls, value: list[str]) -> list[str]:
-        from peerd.swarm.addresses import parse_listen_maddr
+        from peerd.config.addresses import parse_listen_maddr
 
         if not value:
             raise ValueError("at least one listen multiaddr is required")
@@ -79,7 +79,7 @@ class SwarmConfig(Section):
     @field_validator("announce_maddrs")
     @classmethod
     def _check_announce_maddrs(cls, value: list[str]) -> list[str]:
-        from peerd.swarm.addresses import parse_announce_maddr
+        from peerd.config.addresses import parse_announce_maddr
 
         return [
             str(parse_announce_maddr(item, field=f"swarm.announce_maddrs[{i}]")) for i, item in enumerate(value)

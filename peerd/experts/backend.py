@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from peerd.averaging.codec import all_finite
 from peerd.config import ExpertsConfig
 from peerd.experts.stash import Graph
 from peerd.experts.stats import CallStats
+from peerd.wire.codec import all_finite
 
 __all__ = ["MAX_PENDING_STEPS", "BackwardItem", "ExpertBackend", "ExpertFailure"]
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from peerd.averaging import codec
 from peerd.config import CodecConfig
 from peerd.errors import CodecError
 from peerd.experts.backend import BackwardItem, ExpertBackend, ExpertFailure
 from peerd.experts.stash import ActivationStash
 from peerd.experts.workers import Job, Workers
 from peerd.proto import peerd_experts_pb2 as pb
+from peerd.wire import codec
 
 __all__ = ["BatchQueue", "CallResult", "PendingCall", "wire_codec"]
 

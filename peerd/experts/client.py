@@ -17,8 +17,6 @@ from typing import Any, TypeVar
 import torch
 from hivemind.p2p import P2P
 
-from peerd.averaging import codec
-from peerd.averaging.wire import read_frame, read_message, write_frames
 from peerd.errors import ActivationsGone, PeerUnreachable, ProtocolViolation, RPCTimeout
 from peerd.experts.directory import ExpertDirectory
 from peerd.experts.records import PROTOCOL_VERSION, SeenExpert, experts_key
@@ -28,6 +26,8 @@ from peerd.experts.stats import CallStats, latency_histogram
 from peerd.experts.streams import StreamPool
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode
+from peerd.wire import codec
+from peerd.wire.frames import read_frame, read_message, write_frames
 
 __all__ = ["Answer", "ExpertClient", "LayerStats"]
 

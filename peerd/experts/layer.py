@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from peerd.averaging import codec
 from peerd.config import MoEConfig
 from peerd.errors import ActivationsGone, PeerdError
 from peerd.experts.batching import wire_codec
@@ -35,6 +34,7 @@ from peerd.experts.client import Answer, ExpertClient, LayerStats
 from peerd.experts.dispatch import gather_quorum
 from peerd.experts.router import Router, load_balancing_loss, renormalize, route
 from peerd.proto import peerd_experts_pb2 as pb
+from peerd.wire import codec
 
 __all__ = ["RemoteMoE"]
 

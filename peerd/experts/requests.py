@@ -5,11 +5,11 @@ be served); nothing reads from the stream, so the server decides what to do with
 
 from __future__ import annotations
 
-from peerd.averaging.codec import HEADER
 from peerd.experts.backend import ExpertBackend
 from peerd.experts.batching import CallResult
 from peerd.experts.records import PROTOCOL_VERSION
 from peerd.proto import peerd_experts_pb2 as pb
+from peerd.wire.codec import HEADER
 
 MAX_HIDDEN_DIM = 65536
 # phase -> (its name, how many tensors a call of it carries)

@@ -17,7 +17,6 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 
-from peerd.averaging.wire import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, wait_for_close, write_frames
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
 from peerd.experts.backend import ExpertBackend
@@ -30,6 +29,7 @@ from peerd.experts.stats import latency_histogram
 from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
+from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, wait_for_close, write_frames
 
 __all__ = ["HANDLER_NAME", "ExpertServer"]
 

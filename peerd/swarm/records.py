@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from peerd.config.addresses import parse_peer_maddr
 from peerd.errors import AddressError, ProtocolViolation
-from peerd.swarm.addresses import parse_peer_maddr
 
 SCHEMA_ID = "peerd.v1.PeerRecord"
 PROTOCOL_VERSION = 1

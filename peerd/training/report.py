@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from peerd.averaging.allreduce import RoundReport
+from peerd.averaging.group import RoundReport
 from peerd.metrics import ROUND_DURATION_BUCKETS, Distribution
 
 LOSS_HISTORY = 2000

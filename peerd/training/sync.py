@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging.wire import read_frame, read_message, wait_for_close, write_frame, write_message
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
+from peerd.wire.frames import read_frame, read_message, wait_for_close, write_frame, write_message
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 from hivemind.p2p import P2P
 
-from peerd.averaging.allreduce import AllReducer, Group
-from peerd.averaging.codec import all_finite
+from peerd.averaging.allreduce import AllReducer
+from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
 from peerd.errors import ConfigError, GroupFailed, PeerdError, StateError
@@ -33,6 +33,7 @@ from peerd.training.report import TrainingReport
 from peerd.training.state import pack_state, unpack_state
 from peerd.training.sync import StateServer, download_state
 from peerd.training.tasks import Batch, Task
+from peerd.wire.codec import all_finite
 
 logger = logging.getLogger(__name__)
 

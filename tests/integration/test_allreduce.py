@@ -13,11 +13,13 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging import codec, compute
-from peerd.averaging.allreduce import HANDLER_NAME, AllReducer, Group, split_spans
-from peerd.averaging.wire import read_message, write_frame, write_message
+from peerd.averaging.allreduce import HANDLER_NAME, AllReducer
+from peerd.averaging.group import Group
+from peerd.averaging.layout import split_spans
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
+from peerd.wire import codec, compute
+from peerd.wire.frames import read_message, write_frame, write_message
 from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration

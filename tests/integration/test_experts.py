@@ -15,14 +15,14 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from peerd.averaging import codec
-from peerd.averaging.wire import read_frame, read_message, write_frame, write_message
 from peerd.errors import ProtocolViolation
 from peerd.experts.batching import wire_codec
 from peerd.experts.records import PROTOCOL_VERSION
 from peerd.experts.server import HANDLER_NAME
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
+from peerd.wire import codec
+from peerd.wire.frames import read_frame, read_message, write_frame, write_message
 from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from peerd.config.addresses import parse_announce_maddr, parse_listen_maddr, parse_peer_maddr, peer_id_of
 from peerd.errors import AddressError
-from peerd.swarm.addresses import parse_announce_maddr, parse_listen_maddr, parse_peer_maddr, peer_id_of
 
 PID = "12D3KooWPGVdJA78uHzBaDhQwqcrKkim73xy95Amd9qCuoKhvDVB"
 

@@ -1,4 +1,4 @@
-"""Tests of the 8-bit blockwise codec (peerd.averaging.codec), its wire format and error feedback."""
+"""Tests of the 8-bit blockwise codec (peerd.wire.codec), its wire format and error feedback."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from peerd.averaging import Scheme, decode, encode, encode_with_feedback
-from peerd.averaging.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION, all_finite
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
+from peerd.wire import Scheme, decode, encode, encode_with_feedback
+from peerd.wire.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION, all_finite
 
 PEER = "12D3KooWTestPeer"
 BLOCK = 128

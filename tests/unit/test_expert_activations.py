@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerd.averaging import codec
 from peerd.config import ExpertsConfig
 from peerd.experts import stash as stash_module
 from peerd.experts.backend import BackwardItem, ExpertBackend
@@ -14,6 +13,7 @@ from peerd.experts.batching import wire_codec
 from peerd.experts.modules import build_expert
 from peerd.experts.stash import ActivationStash
 from peerd.proto import peerd_experts_pb2 as pb
+from peerd.wire import codec
 from tests.unit.expert_calls import run_calls
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from peerd.averaging import codec
 from peerd.config import ExpertsConfig, MoEConfig, TaskConfig
 from peerd.errors import ConfigError, ProtocolViolation
 from peerd.experts.backend import BackwardItem, ExpertBackend
@@ -21,6 +20,7 @@ from peerd.experts.modules import build_expert
 from peerd.experts.records import ExpertReader, ExpertRecord, parse_expert_record
 from peerd.experts.router import load_balancing_loss, renormalize, route
 from peerd.proto import peerd_experts_pb2 as pb
+from peerd.wire import codec
 from tests.unit.expert_calls import run_calls
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from peerd.averaging.allreduce import RoundReport
+from peerd.averaging.group import RoundReport
 from peerd.config import ControlConfig, LoggingConfig
 from peerd.control.server import ControlServer
 from peerd.control.terminal import TerminalProgress, format_progress, is_live_terminal

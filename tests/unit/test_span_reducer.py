@@ -11,14 +11,14 @@ import threading
 import pytest
 import torch
 
-from peerd.averaging import codec
-from peerd.averaging.allreduce import Group
 from peerd.averaging.compute import INLINE_MAX_NUMEL, run_chunk_work
+from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds, split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION, check_request
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
+from peerd.wire import codec
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -98,17 +98,16 @@ def test_requests_are_checked_against_the_reducers_view() -> None:
         reducer = make_reducer(torch.zeros(3000), torch.empty(3000))
         good = pb.ReduceRequest(protocol_version=PROTOCOL_VERSION, round_id="round", span_index=0, span_numel=3000,
                                 weight=1.0, chunk_numel=1024)
-        assert check_request(reducer, OTHER, good) is None
-        assert check_request(reducer, "12D3KooWStranger", good)[0] == pb.NOT_A_MEMBER
+        assert check_request(reducer.view, OTHER, good, set()) is None
+        assert check_request(reducer.view, "12D3KooWStranger", good, set())[0] == pb.NOT_A_MEMBER
         for field, value in [("protocol_version", 99), ("span_index", 1), ("span_numel", 3001),
                              ("chunk_numel", 2048), ("weight", math.inf), ("weight", 0.0)]:
             bad = pb.ReduceRequest()
             bad.CopyFrom(good)
             setattr(bad, field, value)
-            code, reason = check_request(reducer, OTHER, bad)
+            code, reason = check_request(reducer.view, OTHER, bad, set())
             assert code == pb.BAD_REQUEST and reason, field
-        reducer.serving.add(OTHER)
-        assert check_request(reducer, OTHER, good)[0] == pb.DUPLICATE
+        assert check_request(reducer.view, OTHER, good, {OTHER})[0] == pb.DUPLICATE
         reducer.close()
 
     asyncio.run(body())

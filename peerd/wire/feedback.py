@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from peerd.averaging.codec import decode, encode
 from peerd.config import CodecConfig
+from peerd.wire.codec import decode, encode
 
 __all__ = ["encode_with_feedback"]
 
