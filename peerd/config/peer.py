@@ -41,6 +41,17 @@ class SwarmConfig(Section):
         default=None,
         description="Private key file (from `peerd keygen`) that makes the peer id stable across restarts.",
     )
+    secret_path: Path | None = Field(
+        default=None,
+        description="Swarm secret file (from `peerd keygen --swarm-secret PATH`): only peers holding the same "
+        "secret are averaged with, served experts or sent training state, and only their records are read. "
+        "Unset (and no allowlist): an open swarm that anyone who knows a peer's address can join.",
+    )
+    allowlist_path: Path | None = Field(
+        default=None,
+        description="File of admitted peer ids, one per line (# comments): only these peers are members. "
+        "With secret_path too, a member needs both.",
+    )
     roles: list[Role] = Field(default_factory=_default_roles, description="Roles advertised in this peer's record.")
     record_refresh_period: float = Field(
         default=5.0, gt=0, description="Seconds between re-publications of this peer's record."
