@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -327,12 +328,15 @@ def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any
         loop.call_soon_threadsafe(loop.stop)
 
 
-def peerd_worker(ctx: WorkerCtx) -> None:
+def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None) -> None:
     """peerd's own all-reduce: 8-bit blockwise codec (+ error feedback off: one-shot data), reduce-scatter and
-    all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd."""
+    all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd.
+    With ``secret``, every stream starts with the membership handshake of a private swarm."""
     from peerd.averaging.allreduce import AllReducer
     from peerd.averaging.group import Group
-    from peerd.config import AveragingConfig
+    from peerd.config import AveragingConfig, StreamLimits
+    from peerd.wire.guard import StreamGuard
+    from peerd.wire.membership import Membership
 
     with _p2p_on_loop(ctx, "peerd") as (p2p, run, member_list):
         members = tuple(member_list)
@@ -341,7 +345,7 @@ def peerd_worker(ctx: WorkerCtx) -> None:
         if os.environ.get("PEERD_BENCH_CHUNK"):
             overrides["chunk_numel"] = int(os.environ["PEERD_BENCH_CHUNK"])
         config = AveragingConfig(**{"round_timeout": 120.0, "join_timeout": 30.0, **overrides})
-        reducer = AllReducer(p2p, config)
+        reducer = AllReducer(StreamGuard(p2p, Membership(secret), StreamLimits()), config)
         run(reducer.start())
         ctx.barrier("peerd-handlers")
         sent = 0
@@ -499,6 +503,9 @@ BACKENDS: dict[str, Backend] = {
     "gloo": Backend(gloo_worker, tolerance=1e-4, payload_bytes=_ring_like),
     # 8-bit: an element is off by at most half a quantization step of its block, twice (contribution, average)
     "peerd": Backend(peerd_worker, tolerance=0.1, payload_bytes=_peerd_payload),
+    # the same with a swarm secret: the membership handshake's cost on every stream of a round
+    "peerd_secret": Backend(functools.partial(peerd_worker, secret=bytes(range(32))), tolerance=0.1,
+                            payload_bytes=_peerd_payload),
     "hivemind": Backend(hivemind_worker, tolerance=1e-4, payload_bytes=_ring_like,
                         metrics=("allreduce", "step", "matchmaking")),
     "p2pd": Backend(p2pd_worker, tolerance=0.0, payload_bytes=_peerd_payload, reference=True),

@@ -30,6 +30,8 @@ Backends (add one by writing a worker in _allreduce_workers.py and registering i
               plus the Unix-socket hop), two streams per ordered pair as peerd has, no codec or data dependency:
               the floor for peerd *over its transport*. tcp vs p2pd = what the transport costs; p2pd vs peerd =
               what peerd's algorithm (codec, chunking, waiting for every member's chunk) costs.
+  peerd_secret -- the peerd row in a private swarm: every stream starts with the membership handshake (two
+              round trips, HMAC proofs both ways). peerd_secret / peerd = what membership costs a round.
   hivemind -- hivemind 1.1.12 DecentralizedAverager, NoCompression, group of exactly n. Three rows:
               'allreduce' = time inside the averager process's _aggregate_with_group (the butterfly all-reduce
               itself, matchmaking excluded), 'step' = the whole averager.step() (matchmaking included),

@@ -37,12 +37,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peerd.config import MoEConfig, SwarmConfig
+from peerd.config import MoEConfig, StreamLimits, SwarmConfig
 from peerd.experts import ExpertClient, RemoteMoE
 from peerd.experts.router import Router, renormalize, route
 from peerd.launcher import PeerProcess, wait_for
 from peerd.swarm.node import SwarmNode
 from peerd.tables import format_table
+from peerd.wire.guard import StreamGuard
+from peerd.wire.membership import Membership
 
 HIDDEN, EXPERTS, K, BATCH, BIG_BATCH = 256, 4, 2, 32, 512
 EXPERT_CLASS = "hivemind.moe.server.layers.common:FeedforwardBlock"
@@ -143,7 +145,7 @@ class PeerdCaller:
         config = SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[host_maddr])
         self.swarm = await SwarmNode.create(config, "bench-moe")
         self.p2p = await self.swarm.dht.replicate_p2p()
-        self.client = ExpertClient(self.swarm, self.p2p, "bench-moe")
+        self.client = ExpertClient(self.swarm, StreamGuard(self.p2p, Membership(), StreamLimits()), "bench-moe")
         moe = MoEConfig(num_experts=EXPERTS, k=K, k_min=K, uid_prefix="ffn.0.", timeout=10.0, grace=1.0)
         torch.manual_seed(0)
         self.layer = RemoteMoE(HIDDEN, moe.uids_for(0), moe, self.client)

@@ -27,6 +27,8 @@ from peerd.control.terminal import TerminalProgress
 from peerd.errors import DaemonError, PeerdError
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
+from peerd.wire.guard import StreamGuard
+from peerd.wire.membership import Membership, membership_from_config
 
 if TYPE_CHECKING:
     from peerd.experts import ExpertClient, ExpertServer
@@ -46,7 +48,8 @@ class Daemon:
         self.trainer: CollaborativeTrainer | None = None
         self._trainer_task: asyncio.Task[None] | None = None
         self._trainer_stop = asyncio.Event()
-        self._p2p: Any = None
+        self.guard: StreamGuard | None = None
+        self.membership = Membership()
         self.experts: ExpertServer | None = None
         self.expert_client: ExpertClient | None = None
         self._announce_now = asyncio.Event()
@@ -58,7 +61,14 @@ class Daemon:
     async def start(self) -> None:
         """Starts the components in order; each registers how to stop it, so :meth:`shutdown` undoes exactly
         what was started, in reverse order, also after a failure half-way through start-up."""
-        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name)
+        self.membership = membership_from_config(self.config.swarm)
+        if self.membership.open:
+            logger.warning("Open swarm: any peer that learns an address of this swarm can join its averaging, "
+                           "call its experts and download its training state (set swarm.secret_path: README, "
+                           "'Private swarms')")
+        else:
+            logger.info("Private swarm: only members are served (%s)", self.membership.describe())
+        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
         if self.config.experts is not None:
@@ -78,21 +88,23 @@ class Daemon:
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
         self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
 
-    async def _p2p_replica(self) -> Any:
-        """hivemind's P2P handle on the DHT process's p2pd, shared by the expert server and the trainer."""
+    async def _stream_guard(self) -> StreamGuard:
+        """The door of every peerd stream (membership handshake, limits) on hivemind's P2P handle to the DHT
+        process's p2pd; shared by the expert server and the trainer."""
         assert self.swarm is not None
-        if self._p2p is None:
-            self._p2p = await self.swarm.dht.replicate_p2p()
-            self._on_stop("P2P handle", self._p2p.shutdown)
-        return self._p2p
+        if self.guard is None:
+            p2p = await self.swarm.dht.replicate_p2p()
+            self._on_stop("P2P handle", p2p.shutdown)
+            self.guard = StreamGuard(p2p, self.membership, self.config.swarm.streams)
+        return self.guard
 
     async def _start_experts(self) -> None:
         from peerd.experts import ExpertServer
 
         config = self.config.experts
         assert self.swarm is not None and config is not None
-        p2p = await self._p2p_replica()
-        self.experts = await ExpertServer.create(config, self.swarm, p2p, self.config.run_name)
+        guard = await self._stream_guard()
+        self.experts = await ExpertServer.create(config, self.swarm, guard, self.config.run_name)
         self._on_stop("expert server", self.experts.stop)
 
     async def _start_trainer(self) -> None:
@@ -103,9 +115,9 @@ class Daemon:
         assert self.swarm is not None
         task_config = self.config.training.task
         shard = shard_for_peer(task_config, self.swarm.peer_id)
-        p2p = await self._p2p_replica()
+        guard = await self._stream_guard()
         # remote MoE layers of the task call experts through this; it reads the DHT only once a layer is built
-        self.expert_client = ExpertClient(self.swarm, p2p, self.config.run_name)
+        self.expert_client = ExpertClient(self.swarm, guard, self.config.run_name)
         self._on_stop("expert client", self.expert_client.close)
         if self.experts is not None:  # this peer serves experts too: its model calls them in-process
             self.expert_client.attach_local(self.experts)
@@ -113,7 +125,7 @@ class Daemon:
         logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
                     task_config.num_shards)
         self.trainer = CollaborativeTrainer(
-            self.config.training, self.config.averaging, task, self.swarm, p2p, self.config.run_name,
+            self.config.training, self.config.averaging, task, self.swarm, guard, self.config.run_name,
             shard_index=shard,
         )
         await self.trainer.start()
@@ -285,8 +297,10 @@ class Daemon:
             "pid": os.getpid(),
             "peers": peers,
             "dht_error": error,
+            "records_dropped": await self.swarm.dropped_records(),
             "training": self.trainer.report.as_dict() if self.trainer is not None else None,
             "experts": self.experts_snapshot(),
+            "membership": self.guard.status() if self.guard is not None else {"mode": self.membership.describe()},
         }
 
 

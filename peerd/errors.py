@@ -13,6 +13,7 @@ them into a one-line message and a non-zero exit code) can catch them in one pla
     │   └── RPCTimeout           a call to a peer did not finish in time
     ├── ProtocolViolation        a peer sent something invalid (record, tensor, message); names the peer
     │   └── CodecError           a compressed tensor payload failed validation
+    ├── MembershipError          a stream's membership handshake failed or was refused (names the peer, the reason)
     ├── ActivationsGone          an expert host no longer keeps a call's activations (resend the inputs)
     ├── AveragingError           an averaging round could not complete
     │   └── GroupFailed          the group fell apart or could not be formed in time
@@ -76,6 +77,11 @@ class ProtocolViolation(PeerdError):
 
 class CodecError(ProtocolViolation):
     """A compressed tensor payload is malformed or inconsistent with its announced shape."""
+
+
+class MembershipError(PeerdError):
+    """A stream to or from ``peer_id`` was refused for membership: no or another swarm secret, not on the
+    allowlist, or a limit; ``code`` is the handshake's ``HandshakeCode`` name."""
 
 
 class ActivationsGone(PeerdError):

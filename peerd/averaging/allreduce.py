@@ -21,7 +21,6 @@ import math
 import time
 
 import torch
-from hivemind.p2p import P2P
 
 from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import split_spans
@@ -32,6 +31,7 @@ from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire.frames import read_message, wait_for_close, write_message
+from peerd.wire.guard import StreamGuard
 
 __all__ = ["HANDLER_NAME", "PROTOCOL_VERSION", "AllReducer"]
 
@@ -43,18 +43,19 @@ HANDLER_NAME = "peerd.v1.averaging.reduce"
 class AllReducer:
     """Serves span reductions to other members and runs this peer's side of each round."""
 
-    def __init__(self, p2p: P2P, config: AveragingConfig) -> None:
-        self.p2p = p2p
+    def __init__(self, guard: StreamGuard, config: AveragingConfig) -> None:
+        """``guard``: every stream, served or opened, passes its membership handshake and limits first."""
+        self.guard = guard
         self.config = config
-        self.peer_id = str(p2p.peer_id)
+        self.peer_id = guard.peer_id
         self._reducers: dict[str, SpanReducer] = {}
         self._round_registered = asyncio.Condition()
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(HANDLER_NAME, self._handle_stream)
+        await self.guard.add_handler(HANDLER_NAME, self._handle_stream)
 
     async def stop(self) -> None:
-        await self.p2p.remove_binary_stream_handler(HANDLER_NAME)
+        await self.guard.remove_handler(HANDLER_NAME)
 
     # --- this peer's side of a round --------------------------------------------------------------------------
 
@@ -112,7 +113,7 @@ class AllReducer:
             self._round_registered.notify_all()
         try:
             exchanges = [
-                SpanExchange(self.p2p, HANDLER_NAME, group, member, spans[i], flat, weight, residual, result,
+                SpanExchange(self.guard, HANDLER_NAME, group, member, spans[i], flat, weight, residual, result,
                              report, self.config, codec_config).run()
                 for i, member in enumerate(group.members)
                 if i != rank
@@ -137,7 +138,9 @@ class AllReducer:
     ) -> None:
         sender = str(getattr(info, "peer_id", "?"))
         try:
-            request = await read_message(reader, pb.ReduceRequest, sender)
+            # a member that opens a stream and sends nothing must not hold its slot for long
+            request = await asyncio.wait_for(read_message(reader, pb.ReduceRequest, sender),
+                                             self.config.join_timeout)
             reducer = await self._wait_for_round(request.round_id)
             if reducer is None:
                 await write_message(
@@ -148,8 +151,8 @@ class AllReducer:
             await reducer.serve(sender, request, reader, writer)
         except ProtocolViolation as e:
             logger.warning("Dropping averaging stream from %s: %s", sender, e)
-        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
-            logger.info("Averaging stream from %s broke: %s", sender, e)
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, TimeoutError) as e:
+            logger.info("Averaging stream from %s broke: %r", sender, e)
         finally:
             writer.close()
 

@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2P, PeerID
 
 from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Group, RoundReport
@@ -24,6 +23,7 @@ from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
 from peerd.wire.feedback import encode_with_feedback
 from peerd.wire.frames import frame_size, read_frame, read_message, write_frames, write_message
+from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class SpanExchange:
     """Everything one member needs to exchange one reducer's span; ``run`` never raises for the reducer's faults."""
 
-    p2p: P2P
+    guard: StreamGuard
     handler: str
     group: Group
     member: str  # the reducer
@@ -79,7 +79,7 @@ class SpanExchange:
         a, b = self.chunks[k]
         # what coding drops goes to `dropped`, committed to the residual once the reducer includes the chunk
         return asyncio.ensure_future(run_chunk_work(
-            b - a, encode_with_feedback, self.source[a:b], self.codec_config, str(self.p2p.peer_id),
+            b - a, encode_with_feedback, self.source[a:b], self.codec_config, self.guard.peer_id,
             carried=self.carried[a:b] if self.carried is not None else None,
             dropped=self.dropped[a:b] if self.dropped is not None else None, with_norm=True,
         ))
@@ -87,8 +87,7 @@ class SpanExchange:
     async def _exchange(self) -> None:
         first = self._encode(0)  # coded while the stream opens
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(self.member), self.handler)
+            reader, writer = await self.guard.open(self.member, self.handler)
         except BaseException:
             first.cancel()
             raise

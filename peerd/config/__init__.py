@@ -15,11 +15,11 @@ from peerd.config.loader import (
     load_config,
     read_yaml,
 )
-from peerd.config.peer import DEFAULT_CONTROL_PORT, ControlConfig, LoggingConfig, Role, SwarmConfig
+from peerd.config.peer import DEFAULT_CONTROL_PORT, ControlConfig, LoggingConfig, Role, StreamLimits, SwarmConfig
 from peerd.config.training import AveragingConfig, CheckpointConfig, CodecConfig, TaskConfig, TrainingConfig
 
 __all__ = [
     "DEFAULT_CONTROL_PORT", "ENV_PREFIX", "EXPERT_UID_PATTERN", "AveragingConfig", "CheckpointConfig", "CodecConfig",
-    "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Role", "SwarmConfig",
+    "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Role", "StreamLimits", "SwarmConfig",
     "TaskConfig", "TrainingConfig", "config_error_from", "dump_config", "load_config", "read_yaml",
 ]

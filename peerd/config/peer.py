@@ -18,6 +18,29 @@ def _default_roles() -> list[Role]:
     return ["trainer"]
 
 
+class StreamLimits(Section):
+    """What one peer, member or not, can make this daemon hold for the streams it opens to us."""
+
+    handshake_timeout: float = Field(
+        default=10.0, gt=0, description="Seconds a stream's membership handshake may take, either side.")
+    max_streams_per_peer: int = Field(
+        default=64, ge=1, description="Streams one remote peer may have open to us at once (all protocols); "
+        "more are refused as busy before anything is read.")
+    max_streams: int = Field(default=1024, ge=1, description="Inbound streams open at once, from all peers.")
+    max_pending_bytes_per_peer: int = Field(
+        default=256 * 2**20, ge=2**20, description="Bytes of frames one peer may have us receiving at once "
+        "(announced lengths of frames being read); a frame beyond it ends that stream.")
+    max_pending_bytes: int = Field(
+        default=2**30, ge=2**20, description="The same bound over all peers together.")
+
+    @model_validator(mode="after")
+    def _check_totals(self) -> StreamLimits:
+        if self.max_streams < self.max_streams_per_peer:
+            raise ValueError(f"swarm.streams.max_streams ({self.max_streams}) is below "
+                             f"swarm.streams.max_streams_per_peer ({self.max_streams_per_peer}): raise max_streams")
+        return self
+
+
 class SwarmConfig(Section):
     """How this peer joins the swarm and what it tells others about itself."""
 
@@ -52,6 +75,8 @@ class SwarmConfig(Section):
         description="File of admitted peer ids, one per line (# comments): only these peers are members. "
         "With secret_path too, a member needs both.",
     )
+    streams: StreamLimits = Field(default_factory=lambda: StreamLimits(),
+                                  description="Per-peer bounds on inbound streams.")
     roles: list[Role] = Field(default_factory=_default_roles, description="Roles advertised in this peer's record.")
     record_refresh_period: float = Field(
         default=5.0, gt=0, description="Seconds between re-publications of this peer's record."

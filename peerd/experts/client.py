@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from hivemind.p2p import P2P
 
 from peerd.errors import ActivationsGone, PeerUnreachable, ProtocolViolation, RPCTimeout
 from peerd.experts.directory import ExpertDirectory
@@ -28,6 +27,7 @@ from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode
 from peerd.wire import codec
 from peerd.wire.frames import read_frame, read_message, write_frames
+from peerd.wire.guard import StreamGuard
 
 __all__ = ["Answer", "ExpertClient", "LayerStats"]
 
@@ -63,12 +63,12 @@ class LayerStats:
 
 
 class ExpertClient:
-    def __init__(self, swarm: SwarmNode, p2p: P2P, run_name: str) -> None:
+    def __init__(self, swarm: SwarmNode, guard: StreamGuard, run_name: str) -> None:
         self.swarm = swarm
-        self.p2p = p2p
+        self.guard = guard
         self.directory = ExpertDirectory(swarm, experts_key(run_name))
         self._loop = asyncio.get_running_loop()
-        self._streams = StreamPool(p2p, HANDLER_NAME)
+        self._streams = StreamPool(guard, HANDLER_NAME)
         self.stats: dict[str, dict[str, CallStats]] = {}
         self._local: ExpertServer | None = None
         self.latency = latency_histogram()  # of every call this peer made, for /metrics

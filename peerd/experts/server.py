@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 from google.protobuf.message import DecodeError
-from hivemind.p2p import P2P
 
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
@@ -26,10 +25,12 @@ from peerd.experts.records import PROTOCOL_VERSION, ExpertRecord, experts_key
 from peerd.experts.requests import PHASES, check_header, oversized_payload
 from peerd.experts.stash import ActivationStash
 from peerd.experts.stats import latency_histogram
+from peerd.experts.streams import IDLE_SECONDS
 from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
 from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, wait_for_close, write_frames
+from peerd.wire.guard import StreamGuard
 
 __all__ = ["HANDLER_NAME", "ExpertServer"]
 
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 HANDLER_NAME = "peerd.v1.experts.call"
 DRAIN_TIMEOUT = 10.0  # seconds to read the payload of a refused call before answering
+STREAM_IDLE_TIMEOUT = 3 * IDLE_SECONDS
 
 
 class ExpertServer:
@@ -44,13 +46,13 @@ class ExpertServer:
         self,
         config: ExpertsConfig,
         swarm: SwarmNode,
-        p2p: P2P,
+        guard: StreamGuard,
         run_name: str,
         backends: dict[str, ExpertBackend],
     ) -> None:
         self.config = config
         self.swarm = swarm
-        self.p2p = p2p
+        self.guard = guard
         self.key = experts_key(run_name)
         self.backends = backends
         self.started_at = now()
@@ -81,14 +83,14 @@ class ExpertServer:
         self._stop = asyncio.Event()
 
     @classmethod
-    async def create(cls, config: ExpertsConfig, swarm: SwarmNode, p2p: P2P, run_name: str) -> ExpertServer:
+    async def create(cls, config: ExpertsConfig, swarm: SwarmNode, guard: StreamGuard, run_name: str) -> ExpertServer:
         """Builds the experts (ConfigError if the module is unusable), serves and announces them."""
 
         def build() -> dict[str, ExpertBackend]:
             return {uid: ExpertBackend(uid, build_expert(config, uid), config) for uid in config.served_uids}
 
-        server = cls(config, swarm, p2p, run_name, await asyncio.to_thread(build))
-        await p2p.add_binary_stream_handler(HANDLER_NAME, server._handle_stream)
+        server = cls(config, swarm, guard, run_name, await asyncio.to_thread(build))
+        await guard.add_handler(HANDLER_NAME, server._handle_stream)
         await server.announce()
         server._announcer = asyncio.ensure_future(server._announce_periodically())
         logger.info(
@@ -159,7 +161,10 @@ class ExpertServer:
         peer = str(getattr(info, "peer_id", "?"))
         try:
             while not self._stop.is_set():
-                header = await read_frame_or_eof(reader, MAX_HEADER_BYTES, peer, "request header")
+                # a caller's pool drops streams idle for streams.IDLE_SECONDS; one that holds it longer is not
+                # served (it would keep one of its stream slots for nothing)
+                header = await asyncio.wait_for(
+                    read_frame_or_eof(reader, MAX_HEADER_BYTES, peer, "request header"), STREAM_IDLE_TIMEOUT)
                 if header is None:
                     return
                 try:
@@ -268,7 +273,7 @@ class ExpertServer:
         if self._announcer is not None:
             self._announcer.cancel()
         try:
-            await self.p2p.remove_binary_stream_handler(HANDLER_NAME)
+            await self.guard.remove_handler(HANDLER_NAME)
         except Exception as e:  # noqa: BLE001 (p2pd may already be gone at shutdown)
             logger.debug("Could not unregister the expert handler: %s", e)
         for queue in self._queues.values():

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from hivemind.p2p import P2P, PeerID
+from peerd.wire.guard import StreamGuard
 
 __all__ = ["IDLE_SECONDS", "PooledStream", "StreamPool"]
 
@@ -30,8 +30,8 @@ class PooledStream:
 
 
 class StreamPool:
-    def __init__(self, p2p: P2P, handler: str) -> None:
-        self.p2p = p2p
+    def __init__(self, guard: StreamGuard, handler: str) -> None:
+        self.guard = guard
         self.handler = handler
         self._idle: dict[str, list[PooledStream]] = {}
 
@@ -43,7 +43,7 @@ class StreamPool:
                 stream.reused = True
                 return stream
             stream.writer.close()
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.handler)
+        reader, writer = await self.guard.open(peer, self.handler)  # the membership handshake, once per stream
         return PooledStream(reader, writer, reused=False)
 
     def release(self, peer: str, stream: PooledStream) -> None:

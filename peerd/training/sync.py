@@ -6,11 +6,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from hivemind.p2p import P2P, PeerID
-
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
 from peerd.wire.frames import read_frame, read_message, wait_for_close, write_frame, write_message
+from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
 
@@ -19,22 +18,24 @@ HANDLER_NAME = "peerd.v1.training.state"
 # (a yamux window and socket buffers, ~1 MB) takes seconds on a slow link. Longer than wire.LINGER_TIMEOUT,
 # which covers a refusal of a few bytes.
 JOINER_READ_TIMEOUT = 30.0
+REQUEST_TIMEOUT = 10.0  # for the joiner's request, which is sent right after the handshake
 
 # Returns (step, state bytes), or None while there is nothing to serve.
 StateProvider = Callable[[], Awaitable[tuple[int, bytes] | None]]
 
 
 class StateServer:
-    def __init__(self, p2p: P2P, fingerprint: str, provider: StateProvider) -> None:
-        self.p2p = p2p
+    def __init__(self, guard: StreamGuard, fingerprint: str, provider: StateProvider) -> None:
+        """``guard``: only members that passed the membership handshake reach :meth:`_handle`."""
+        self.guard = guard
         self.fingerprint = fingerprint
         self.provider = provider
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(HANDLER_NAME, self._handle)
+        await self.guard.add_handler(HANDLER_NAME, self._handle)
 
     async def stop(self) -> None:
-        await self.p2p.remove_binary_stream_handler(HANDLER_NAME)
+        await self.guard.remove_handler(HANDLER_NAME)
 
     async def _handle(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(getattr(info, "peer_id", "?"))
@@ -44,13 +45,13 @@ class StateServer:
             # the tail inside p2pd: over QUIC every time, over TCP in 2 of ~500 transfers of the bench's p2pd
             # row under load; a joiner would see truncated state.
             await wait_for_close(reader, timeout=JOINER_READ_TIMEOUT, max_discard=1)
-        except (ProtocolViolation, ConnectionError, OSError) as e:
-            logger.info("State request from %s failed: %s", peer, e)
+        except (ProtocolViolation, ConnectionError, OSError, TimeoutError) as e:
+            logger.info("State request from %s failed: %r", peer, e)
         finally:
             writer.close()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        request = await read_message(reader, pb.StateRequest, peer)
+        request = await asyncio.wait_for(read_message(reader, pb.StateRequest, peer), REQUEST_TIMEOUT)
         if request.fingerprint != self.fingerprint:
             await write_message(writer, pb.StateResponse(
                 code=pb.STATE_FINGERPRINT_MISMATCH,
@@ -67,11 +68,13 @@ class StateServer:
         logger.info("Sent training state at step %d (%d bytes) to %s", step, len(blob), peer)
 
 
-async def download_state(p2p: P2P, peer_id: str, fingerprint: str, max_bytes: int, timeout: float) -> tuple[int, bytes]:
+async def download_state(
+    guard: StreamGuard, peer_id: str, fingerprint: str, max_bytes: int, timeout: float
+) -> tuple[int, bytes]:
     """Fetches (step, state bytes) from ``peer_id``; raises StateError naming the peer on any failure."""
 
     async def fetch() -> tuple[int, bytes]:
-        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), HANDLER_NAME)
+        reader, writer = await guard.open(peer_id, HANDLER_NAME)
         try:
             await write_message(writer, pb.StateRequest(protocol_version=1, fingerprint=fingerprint))
             response = await read_message(reader, pb.StateResponse, peer_id)

@@ -17,8 +17,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-from hivemind.p2p import P2P
-
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import Matchmaker
@@ -34,6 +32,7 @@ from peerd.training.state import pack_state, unpack_state
 from peerd.training.sync import StateServer, download_state
 from peerd.training.tasks import Batch, Task
 from peerd.wire.codec import all_finite
+from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ async def _wait_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
 
 class CollaborativeTrainer:
     def __init__(
-        self, config: TrainingConfig, averaging: AveragingConfig, task: Task, swarm: SwarmNode, p2p: P2P,
+        self, config: TrainingConfig, averaging: AveragingConfig, task: Task, swarm: SwarmNode, guard: StreamGuard,
         run_name: str, shard_index: int | None = None,
     ) -> None:
         """``shard_index``: the data shard ``task`` reads, published so lockstep groups can be ordered by it."""
@@ -62,14 +61,14 @@ class CollaborativeTrainer:
             lockstep.micro_batches_per_step(self.lockstep, task.batch_size)
         self.task = task
         self.swarm = swarm
-        self.p2p = p2p
+        self.guard = guard
         self.local = LocalModel(config, task, error_feedback=averaging.codec.error_feedback)
         self.prefix = f"{run_name}.{task.fingerprint}"
         self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl, shard_index)
         self.matchmaker = Matchmaker(swarm, averaging)
-        self.reducer = AllReducer(p2p, averaging)
+        self.reducer = AllReducer(guard, averaging)
         self.lossless = averaging.codec.model_copy(update={"lossless": True, "error_feedback": False})
-        self.state_server = StateServer(p2p, task.fingerprint, self._serve_state)
+        self.state_server = StateServer(guard, task.fingerprint, self._serve_state)
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel)
@@ -272,7 +271,7 @@ class CollaborativeTrainer:
         for record in candidates:
             try:
                 step, blob = await download_state(
-                    self.p2p, record.peer_id, self.task.fingerprint, self.config.max_state_bytes, timeout=60.0
+                    self.guard, record.peer_id, self.task.fingerprint, self.config.max_state_bytes, timeout=60.0
                 )
                 async with self._step_lock:
                     await asyncio.to_thread(

@@ -12,6 +12,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from peerd.errors import ProtocolViolation
+from peerd.wire.limits import reserve_frame
 
 _LENGTH_BYTES = 8
 M = TypeVar("M", bound=Message)
@@ -88,7 +89,8 @@ async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: st
             f"{peer_id} announced a {length}-byte {what}, above the limit of {limit} bytes", peer_id=peer_id
         )
     try:
-        return await reader.readexactly(length)
+        with reserve_frame(length, peer_id, what):
+            return await reader.readexactly(length)
     except asyncio.IncompleteReadError as e:
         raise ProtocolViolation(
             f"{peer_id} sent {len(e.partial)} of the {length} bytes of {what}", peer_id=peer_id

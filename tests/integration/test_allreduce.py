@@ -11,19 +11,23 @@ from typing import Any
 
 import pytest
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
+from peerd.averaging import compute
 from peerd.averaging.allreduce import HANDLER_NAME, AllReducer
 from peerd.averaging.group import Group
 from peerd.averaging.layout import split_spans
-from peerd.config import AveragingConfig, CodecConfig
+from peerd.config import AveragingConfig, CodecConfig, StreamLimits
 from peerd.proto import peerd_averaging_pb2 as pb
-from peerd.wire import codec, compute
+from peerd.wire import codec
 from peerd.wire.frames import read_message, write_frame, write_message
+from peerd.wire.guard import StreamGuard
+from peerd.wire.membership import Membership
 from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration
 
+OPEN = Membership()
 CONFIG = AveragingConfig(round_timeout=4.0, join_timeout=2.0, codec=CodecConfig(min_compress_numel=0))
 # For tests whose rounds never wait for round_timeout: on a loaded machine an honest member's contribution may
 # take longer than CONFIG's 4 s, and its exclusion would then fail a test about something else.
@@ -32,7 +36,7 @@ PATIENT = CONFIG.model_copy(update={"round_timeout": 30.0})
 
 async def with_peers(
     n: int, body: Callable[[list[P2P], list[AllReducer]], Awaitable[Any]], config: AveragingConfig = CONFIG,
-    transport: str = "tcp",
+    transport: str = "tcp", membership: Membership = OPEN,
 ) -> Any:
     p2ps: list[P2P] = []
     try:
@@ -40,7 +44,7 @@ async def with_peers(
         maddrs = [str(m) for m in await p2ps[0].get_visible_maddrs()]
         for _ in range(n - 1):
             p2ps.append(await P2P.create(host_maddrs=[LISTEN[transport]], initial_peers=maddrs))
-        reducers = [AllReducer(p, config) for p in p2ps]
+        reducers = [AllReducer(StreamGuard(p, membership, StreamLimits()), config) for p in p2ps]
         for reducer in reducers:
             await reducer.start()
         return await body(p2ps, reducers)
@@ -225,7 +229,7 @@ def test_bad_contributions_are_excluded_and_named(fault: str, transport: str) ->
                 payload = bytes(10 * span_numel)
             elif fault == "bad_weight":
                 weight = math.nan
-            _, reader, writer = await evil_p2p.call_binary_stream_handler(PeerID.from_base58(target), HANDLER_NAME)
+            reader, writer = await StreamGuard(evil_p2p, OPEN, StreamLimits()).open(target, HANDLER_NAME)
             try:
                 await write_message(writer, pb.ReduceRequest(
                     protocol_version=1, round_id="t4", span_index=index, span_numel=span_numel, weight=weight,

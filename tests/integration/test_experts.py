@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 
+from peerd.config import StreamLimits
 from peerd.errors import ProtocolViolation
 from peerd.experts.batching import wire_codec
 from peerd.experts.records import PROTOCOL_VERSION
@@ -23,6 +24,8 @@ from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 from peerd.wire.frames import read_frame, read_message, write_frame, write_message
+from peerd.wire.guard import StreamGuard
+from peerd.wire.membership import Membership
 from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration
@@ -176,7 +179,7 @@ def test_moe_lm_learns_with_two_expert_hosts_and_survives_losing_one(swarm: Loca
 async def _raw_call(
     p2p: P2P, host: str, request: pb.ExpertRequest, frames: list[bytes], raw_header: bytes | None = None
 ) -> tuple[pb.ExpertResponse | None, bytes]:
-    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(host), HANDLER_NAME)
+    reader, writer = await StreamGuard(p2p, Membership(), StreamLimits()).open(host, HANDLER_NAME)
     try:
         if raw_header is not None:
             await write_frame(writer, raw_header)

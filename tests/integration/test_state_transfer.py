@@ -14,16 +14,20 @@ from collections.abc import Awaitable, Callable
 import pytest
 from hivemind.p2p import P2P
 
+from peerd.config import StreamLimits
 from peerd.errors import StateError
 from peerd.training.sync import StateProvider, StateServer, download_state
+from peerd.wire.guard import StreamGuard
+from peerd.wire.membership import Membership
 from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.timeout(90)
 
 FINGERPRINT = "fp-test"
+OPEN = Membership()
 
 
-async def with_server(listen: str, provider: StateProvider, body: Callable[[P2P, str], Awaitable[None]]) -> None:
+async def with_server(listen: str, provider: StateProvider, body: Callable[[StreamGuard, str], Awaitable[None]]) -> None:
     server_p2p = await P2P.create(host_maddrs=[listen])
     client_p2p = None
     try:
@@ -31,9 +35,9 @@ async def with_server(listen: str, provider: StateProvider, body: Callable[[P2P,
             host_maddrs=[listen],
             initial_peers=[str(m) for m in await server_p2p.get_visible_maddrs()],
         )
-        server = StateServer(server_p2p, FINGERPRINT, provider)
+        server = StateServer(StreamGuard(server_p2p, OPEN, StreamLimits()), FINGERPRINT, provider)
         await server.start()
-        await body(client_p2p, str(server_p2p.peer_id))
+        await body(StreamGuard(client_p2p, OPEN, StreamLimits()), str(server_p2p.peer_id))
         await server.stop()
     finally:
         if client_p2p is not None:
@@ -48,7 +52,7 @@ def test_a_large_state_arrives_intact_every_time(transport: str) -> None:
     async def provider() -> tuple[int, bytes]:
         return 17, blob
 
-    async def body(client: P2P, server_id: str) -> None:
+    async def body(client: StreamGuard, server_id: str) -> None:
         for _ in range(5):
             step, got = await download_state(client, server_id, FINGERPRINT, max_bytes=8 << 20, timeout=30)
             assert step == 17
@@ -64,7 +68,7 @@ def test_refusals_reach_the_joiner_with_their_reason(transport: str) -> None:
     async def provider() -> tuple[int, bytes] | None:
         return serving[0]
 
-    async def body(client: P2P, server_id: str) -> None:
+    async def body(client: StreamGuard, server_id: str) -> None:
         with pytest.raises(StateError, match="STATE_UNAVAILABLE not training") as unavailable:
             await download_state(client, server_id, FINGERPRINT, max_bytes=1 << 20, timeout=30)
         assert server_id in str(unavailable.value)

@@ -1,0 +1,135 @@
+"""The one door of every peerd protocol: stream slots, then the membership handshake, then the handler.
+
+Protocols register their handlers and open their streams here instead of on hivemind's P2P directly, so no
+protocol can forget the handshake or the limits. Refusals are counted by reason and logged with the peer
+id (at most once a minute per peer and reason: a stranger retrying must not flood the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+
+from peerd.config import StreamLimits
+from peerd.errors import MembershipError, ProtocolViolation, RPCTimeout
+from peerd.proto import peerd_membership_pb2 as pb
+from peerd.wire import handshake
+from peerd.wire.limits import PeerSlots, serving_budget
+from peerd.wire.membership import Membership
+
+__all__ = ["Handler", "StreamGuard"]
+
+logger = logging.getLogger(__name__)
+
+# A protocol's handler: (stream info, reader, writer), as hivemind calls it, run after the handshake.
+Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+LOG_EVERY = 60.0
+
+
+class StreamGuard:
+    def __init__(self, p2p: P2P, membership: Membership, limits: StreamLimits) -> None:
+        self.p2p = p2p
+        self.membership = membership
+        self.limits = limits
+        self.peer_id = str(p2p.peer_id)
+        self.slots = PeerSlots(limits.max_streams_per_peer, limits.max_streams, limits.max_pending_bytes_per_peer,
+                               limits.max_pending_bytes)
+        self.refused: Counter[str] = Counter()  # inbound streams refused, by reason
+        self.refused_peers: dict[str, str] = {}  # peer id -> its last refusal, for status (bounded below)
+        self.accepted = 0
+        self._logged: dict[tuple[str, str], float] = {}
+
+    # --- serving ----------------------------------------------------------------------------------------------
+
+    async def add_handler(self, name: str, handler: Handler) -> None:
+        async def guarded(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(name, handler, info, reader, writer)
+
+        await self.p2p.add_binary_stream_handler(name, guarded)
+
+    async def remove_handler(self, name: str) -> None:
+        await self.p2p.remove_binary_stream_handler(name)
+
+    async def _serve(self, name: str, handler: Handler, info: Any, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:
+        peer = str(getattr(info, "peer_id", "?"))
+        budget = self.slots.acquire(peer)
+        try:
+            if budget is None:
+                self._refuse(peer, "busy", f"more than {self.limits.max_streams_per_peer} streams open "
+                             f"(or {self.limits.max_streams} from everyone)")
+                await asyncio.wait_for(handshake.refuse(reader, writer, pb.HANDSHAKE_BUSY, "too many streams"),
+                                       self.limits.handshake_timeout)
+                return
+            try:
+                async with asyncio.timeout(self.limits.handshake_timeout):
+                    await handshake.accept(reader, writer, self.membership, self.peer_id, peer, name)
+            except MembershipError as e:
+                self._refuse(peer, str(e.context.get("code", "refused")), e.message)
+                return
+            except (ProtocolViolation, TimeoutError) as e:
+                reason = f"no handshake within {self.limits.handshake_timeout:.0f}s" if isinstance(
+                    e, TimeoutError) else str(e)
+                self._refuse(peer, "malformed", reason)
+                return
+            self.accepted += 1
+            # hivemind runs each stream's handler in a task of its own: the handler's frame reads (and those
+            # of tasks it starts) count against this peer's budget
+            token = serving_budget.set(budget)
+            try:
+                await handler(info, reader, writer)
+            finally:
+                serving_budget.reset(token)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+            logger.debug("Stream %s from %s broke: %r", name, peer, e)
+        finally:
+            if budget is not None:
+                self.slots.release(peer)
+            writer.close()
+
+    def _refuse(self, peer: str, reason: str, message: str) -> None:
+        self.refused[reason] += 1
+        if len(self.refused_peers) < 1024 or peer in self.refused_peers:
+            self.refused_peers[peer] = message[:300]
+        now = time.monotonic()
+        if now - self._logged.get((peer, reason), -LOG_EVERY) >= LOG_EVERY:
+            if len(self._logged) > 4096:
+                self._logged.clear()
+            self._logged[(peer, reason)] = now
+            logger.warning("Refused a stream from %s: %s", peer, message)
+
+    # --- opening ----------------------------------------------------------------------------------------------
+
+    async def open(self, peer: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to ``peer``'s ``name`` handler, past the handshake. MembershipError if either side refuses
+        (our allowlist, its secret or limits), RPCTimeout if the handshake stalls; libp2p's own errors pass."""
+        if not self.membership.admits(peer):
+            raise MembershipError(f"{peer} is not on this swarm's allowlist", peer_id=peer, code="NOT_ON_ALLOWLIST")
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
+        try:
+            async with asyncio.timeout(self.limits.handshake_timeout):
+                await handshake.initiate(reader, writer, self.membership, self.peer_id, peer, name)
+        except TimeoutError as e:
+            writer.close()
+            raise RPCTimeout(f"membership handshake with {peer} took over {self.limits.handshake_timeout:.0f}s",
+                             peer_id=peer) from e
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "mode": self.membership.describe(),
+            "streams_open": self.slots.streams,
+            "streams_accepted": self.accepted,
+            "streams_refused": dict(self.refused),
+            "refused_peers": dict(list(self.refused_peers.items())[-20:]),
+            "pending_bytes": self.slots.shared.used,
+        }
