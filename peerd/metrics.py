@@ -9,6 +9,7 @@ a Prometheus histogram.
 
 Snapshot keys read (all optional; a missing value gives a family without samples, never a made-up zero):
 ``peer_id``, ``run_name``, ``software_version``, ``uptime``, ``peers`` (absent when ``dht_error`` is set),
+``records_dropped`` (reason -> count),
 ``training`` (see ``TrainingReport.as_dict``) and ``experts`` (``calls``, ``errors``, ``latency``, reported
 once this daemon hosts or calls experts; until then those families hold zeros, which is what happened).
 """
@@ -135,6 +136,13 @@ class StatusCollector(Collector):
         seen = float(len(peers)) if isinstance(peers, list) and not status.get("dht_error") else None
         yield _gauge("peerd_swarm_peers", "Other peers with a live record in the DHT (absent if the read "
                      "failed).", seen)
+        dropped = CounterMetricFamily("peerd_records_dropped", "DHT records refused (forged, foreign or "
+                                      "malformed), by reason.", labels=["reason"])
+        counts = _mapping(status, "records_dropped") or {}
+        for reason in counts:
+            if (value := _number(counts, reason)) is not None:
+                dropped.add_metric([str(reason)], value)
+        yield dropped
 
     def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
         for name, key, doc in _TRAINING_GAUGES:

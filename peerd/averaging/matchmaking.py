@@ -4,9 +4,13 @@ For round key ``K`` (run, model fingerprint, step, kind), each ready peer stores
 ``K`` with its peer id as subkey. The peer with the earliest registration (ties: smallest id) is the
 leader: once the window after its own registration has passed, or as many peers as expected are in, it
 splits the registered peers, in registration order, into groups of at most ``target_group_size`` and
-stores them under the subkey ``groups``. Everyone else waits (bounded) for that record, so every member
-acts on the same list. A peer left in no group, or in one below ``min_group_size``, raises GroupFailed.
-Everything read from the DHT is validated; entries that fail are ignored and logged.
+stores them under the subkey ``groups:<its peer id>``. Everyone else waits (bounded) for the decision of
+the leader they compute from the registrations, so every member acts on the same list. A peer left in no
+group, or in one below ``min_group_size``, raises GroupFailed.
+
+Every entry is signed by the peer its subkey names (``peerd.swarm.signing``), so nobody can register for
+another peer, and a decision is taken only from the leader: stored under the leader's own subkey, it cannot
+be overwritten by anyone else. Entries that fail validation are ignored, counted and logged.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from peerd.averaging.group import Group
 from peerd.config import AveragingConfig
-from peerd.errors import GroupFailed, PeerdError
+from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PeerIdStr
 
 logger = logging.getLogger(__name__)
 
-GROUPS_SUBKEY = "groups"
+GROUPS_PREFIX = "groups:"
 POLL_INTERVAL = 0.1
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 
@@ -40,7 +44,7 @@ class _Registration(BaseModel):
 
 class _Groups(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    leader: PeerIdStr
+    peer_id: PeerIdStr  # the leader, who signed the decision
     groups: list[Annotated[list[PeerIdStr], Field(min_length=1, max_length=64)]] = Field(max_length=1024)
 
 
@@ -61,22 +65,22 @@ class Matchmaker:
         window = self.config.matchmaking_window
         registered_at = now()
         lifetime = window + self.config.round_timeout + 10.0
-        await self.swarm.store(key, me, {"t": registered_at}, registered_at + lifetime)
+        await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
         target = max(2, min(expected_peers, self.config.target_group_size * 64))
         deadline = time.monotonic() + window + self.config.join_timeout + 2.0
         published: _Groups | None = None
         while published is None:
-            entries, published = await self._read(key)
+            entries, decisions = await self._read(key)
+            entries.setdefault(me, registered_at)  # our own store may not be readable yet
+            leader = min(entries, key=lambda peer: (entries[peer], peer))
+            published = decisions.get(leader)
             if published is not None:
                 break
-            if not entries:
-                entries = {me: registered_at}
-            leader = min(entries, key=lambda peer: (entries[peer], peer))
             first = entries[leader]
             window_over = now() >= first + window
             if leader == me and (window_over or len(entries) >= target):
                 published = self._split(me, entries, first + window)
-                await self.swarm.store(key, GROUPS_SUBKEY, published.model_dump(), registered_at + lifetime)
+                await self.swarm.store(key, GROUPS_PREFIX + me, published.model_dump(), registered_at + lifetime)
                 break
             if time.monotonic() > deadline:
                 raise GroupFailed(f"no group decision for {key} within {deadline - registered_at:.1f}s "
@@ -101,23 +105,27 @@ class Matchmaker:
         # Registration time picks who is grouped together; within a group, a member's rank (the span it
         # reduces, and so where the error-feedback residual of that span's averages stays) follows its peer
         # id, so the same peers get the same spans round after round.
-        return _Groups(leader=me, groups=[sorted(chunk) for chunk in chunks])
+        return _Groups(peer_id=me, groups=[sorted(chunk) for chunk in chunks])
 
-    async def _read(self, key: str) -> tuple[dict[str, float], _Groups | None]:
+    async def _read(self, key: str) -> tuple[dict[str, float], dict[str, _Groups]]:
+        """Registrations (peer id -> time) and decisions (leader -> groups), each signed by the peer its
+        subkey names (the swarm node checked that)."""
         try:
             found = await self.swarm.read_subkeys(key)
         except PeerdError as e:
             logger.debug("Matchmaking read of %s failed: %s", key, e)
-            return {}, None
+            return {}, {}
         entries: dict[str, float] = {}
-        published = None
+        decisions: dict[str, _Groups] = {}
         for subkey, value in found.items():
             try:
-                if subkey == GROUPS_SUBKEY:
-                    published = _Groups.model_validate(value)
+                if subkey.startswith(GROUPS_PREFIX):
+                    decision = _Groups.model_validate(value)
+                    decisions[decision.peer_id] = decision
                 elif _PEER_ID.fullmatch(subkey):
                     entries[subkey] = _Registration.model_validate(value).t
             except ValidationError as e:
-                logger.warning("Ignoring malformed matchmaking entry %r under %s: %s", subkey, key,
-                               e.errors()[0]["msg"])
-        return entries, published
+                self.swarm.drop("malformed", ProtocolViolation(
+                    f"malformed matchmaking entry {subkey[:140]!r} under {key}: {e.errors()[0]['msg']}",
+                    peer_id=subkey[-128:]))
+        return entries, decisions

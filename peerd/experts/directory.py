@@ -41,7 +41,7 @@ class ExpertDirectory:
         self.key = key
         self.records: dict[str, SeenExpert] = {}  # replaced whole: worker threads read it without a lock
         self.backoff: dict[str, Backoff] = {}
-        self._reader = ExpertReader()
+        self._reader = ExpertReader(swarm.drop)
         self._loop = asyncio.get_running_loop()
         self._retry_after = 2.0
         self._refresh_period = math.inf

@@ -4,8 +4,9 @@ Every expert host stores one ``peerd.v1.ExpertRecord`` per served expert under t
 ``<run_name>.experts`` with the expert uid as subkey, every ``experts.announce_period`` seconds with expiry
 ``experts.record_ttl``; one lookup returns every expert of the run. A host that dies stops refreshing, so its
 experts vanish from routing once their records expire. Readers validate each record strictly, ignore
-unknown fields (a newer host may add some) and drop (logging once a minute per uid) records that are
-malformed or whose ``uid`` does not match their subkey.
+unknown fields (a newer host may add some) and drop (counting them, logging once a minute per uid) records
+that are malformed or whose ``uid`` does not match their subkey. Each record is signed by its host (the
+swarm node drops one whose ``peer_id`` is not its signer's before it gets here).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -87,8 +89,9 @@ def parse_expert_record(subkey: object, value: object) -> ExpertRecord:
 class ExpertReader:
     """Validates what ``SwarmNode.read_entries(experts_key(run))`` returned; logs each bad uid once a minute."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[str, ProtocolViolation], None] | None = None) -> None:
         self._dropped_logged_at: dict[str, float] = {}
+        self._on_drop = on_drop  # counts the drop where the swarm's other refused records are counted
 
     def parse(self, entries: dict[str, tuple[object, float]]) -> dict[str, SeenExpert]:
         """Valid, unexpired records keyed by uid."""
@@ -97,6 +100,9 @@ class ExpertReader:
             try:
                 seen[subkey] = SeenExpert(parse_expert_record(subkey, value), expiration)
             except ProtocolViolation as e:
+                if self._on_drop is not None:
+                    self._on_drop("malformed", e)
+                    continue
                 last = self._dropped_logged_at.get(subkey, -math.inf)
                 if time.monotonic() - last >= 60.0:
                     self._dropped_logged_at[subkey] = time.monotonic()

@@ -12,11 +12,14 @@ import logging
 import math
 import os
 import select
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hivemind.dht import DHT
@@ -24,8 +27,12 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.config import SwarmConfig
-from peerd.errors import BootstrapError, DaemonError, ProtocolViolation, TransportError
+from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
+from peerd.swarm.identity import generate_identity
 from peerd.swarm.records import PeerRecord, parse_record
+from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
+from peerd.swarm.validator import SignedRecordValidator, child_drop_counts
+from peerd.wire.membership import Membership
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +73,22 @@ class SeenPeer:
 
 
 class SwarmNode:
-    """Owns the DHT child process; publishes this peer's record and reads everyone else's."""
+    """Owns the DHT child process; publishes this peer's signed records and reads everyone else's, verified.
 
-    def __init__(self, config: SwarmConfig, run_name: str, dht: DHT) -> None:
+    Every value goes through :meth:`store` (signed with this peer's identity key) and :meth:`read_entries`
+    (only values whose signature, signer and membership check out; see ``peerd.swarm.signing``).
+    """
+
+    def __init__(self, config: SwarmConfig, run_name: str, dht: DHT, signer: RecordSigner,
+                 membership: Membership, ephemeral_dir: Path | None = None) -> None:
         self.config = config
         self.run_name = run_name
         self.dht = dht
         self.peer_id = str(dht.peer_id)
+        self.signer = signer
+        self.membership = membership
+        self.verifier = RecordVerifier(membership)
+        self._ephemeral_dir = ephemeral_dir
         self._last_expiration = 0.0
         self._dropped_logged_at: dict[str, float] = {}
 
@@ -81,15 +97,46 @@ class SwarmNode:
         return f"{self.run_name}.peers"
 
     @classmethod
-    async def create(cls, config: SwarmConfig, run_name: str) -> SwarmNode:
-        """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done."""
+    async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None) -> SwarmNode:
+        """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done.
+
+        Without ``swarm.identity_path`` the peer gets a fresh key in a private temporary directory (removed
+        at shutdown): the daemon needs the key itself, to sign its records.
+        """
+        membership = membership or Membership()
+        ephemeral_dir = None
+        identity_path = config.identity_path
+        if identity_path is None:
+            ephemeral_dir = Path(tempfile.mkdtemp(prefix="peerd-identity-"))  # mode 0700
+            identity_path = ephemeral_dir / "identity.key"
+        try:
+            fresh = not identity_path.exists()
+            if fresh:  # as hivemind would: a configured path without a key gets a new one
+                generate_identity(identity_path)
+            try:
+                signer = RecordSigner(identity_path.read_bytes(), membership)
+            except OSError as e:
+                raise IdentityError(f"cannot read identity file {identity_path}: {e.strerror or e}",
+                                    path=identity_path) from e
+            dht = await cls._start_with_retries(config, identity_path, fresh, membership)
+            if str(dht.peer_id) != signer.peer_id:
+                dht.shutdown()
+                raise DaemonError(f"p2pd runs as {dht.peer_id} but the identity key is {signer.peer_id}")
+        except BaseException:
+            if ephemeral_dir is not None:
+                shutil.rmtree(ephemeral_dir, ignore_errors=True)
+            raise
+        return cls(config, run_name, dht, signer, membership, ephemeral_dir)
+
+    @classmethod
+    async def _start_with_retries(cls, config: SwarmConfig, identity_path: Path, fresh_identity: bool,
+                                  membership: Membership) -> DHT:
         delay = config.bootstrap_retry_delay
         last_error: Exception | None = None
         for attempt in range(1, config.bootstrap_attempts + 1):
             try:
                 # Blocking the loop here is fine: nothing else runs on it before the swarm is up.
-                dht = cls._start_dht(config)
-                return cls(config, run_name, dht)
+                return cls._start_dht(config, identity_path, fresh_identity, membership)
             except (P2PDaemonError, TimeoutError, OSError) as e:
                 last_error = e
                 if not config.initial_peers:
@@ -109,18 +156,20 @@ class SwarmNode:
         )
 
     @staticmethod
-    def _start_dht(config: SwarmConfig) -> DHT:
+    def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership) -> DHT:
         kwargs: dict[str, Any] = {
             "host_maddrs": list(config.host_maddrs),
             "startup_timeout": config.startup_timeout,
             "wait_timeout": config.request_timeout,
             "nat_port_map": config.nat_port_map,
+            "identity_path": str(identity_path),
+            # a key generated a moment ago is nobody else's: skip hivemind's probe of the swarm for it
+            "check_if_identity_free": not fresh_identity,
         }
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
-        if config.identity_path is not None:
-            kwargs["identity_path"] = str(config.identity_path)
-        dht = _IsolatedDHT(initial_peers=list(config.initial_peers), start=False, **kwargs)
+        dht = _IsolatedDHT(initial_peers=list(config.initial_peers), start=False,
+                           record_validators=[SignedRecordValidator(membership)], **kwargs)
         dht.run_in_background(await_ready=False)
         try:
             dht.wait_until_ready(timeout=config.startup_timeout)
@@ -153,8 +202,10 @@ class SwarmNode:
         await self.store(self.records_key, self.peer_id, record.to_wire(), expiration)
         self._last_expiration = expiration
 
-    async def store(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
-        """Stores ``value`` under ``key``/``subkey`` until ``expiration`` (DHT time); bounded by request_timeout."""
+    async def store(self, key: str, subkey: str, payload: dict[str, Any], expiration: float) -> bool:
+        """Signs ``payload`` (JSON-able, naming this peer as ``peer_id``) and stores it under ``key``/``subkey``
+        until ``expiration`` (DHT time); bounded by request_timeout."""
+        value = self.signer.envelope(key, subkey, payload, expiration)
         future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         try:
             ok = bool(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
@@ -165,7 +216,8 @@ class SwarmNode:
         return ok
 
     async def read_entries(self, key: str) -> dict[str, tuple[object, float]]:
-        """Unexpired ``subkey -> (value, expiration)`` under ``key``; values are unvalidated peer data."""
+        """Unexpired ``subkey -> (payload, expiration)`` under ``key`` whose signature, signer and membership
+        check out (others are counted and dropped); payloads are otherwise unvalidated peer data."""
         future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
@@ -174,12 +226,38 @@ class SwarmNode:
         if found is None or not isinstance(found.value, dict):
             return {}
         current = get_dht_time()
-        entries = {}
+        entries: dict[str, tuple[object, float]] = {}
+        key_bytes = key_id(key)
         for subkey, entry in found.value.items():
             expiration = getattr(entry, "expiration_time", 0.0)
-            if isinstance(subkey, str) and isinstance(expiration, float) and expiration >= current:
-                entries[subkey] = (getattr(entry, "value", None), expiration)
+            if not (isinstance(subkey, str) and isinstance(expiration, float) and expiration >= current):
+                continue
+            try:
+                opened = self.verifier.open(key_bytes, subkey, getattr(entry, "value", None), expiration)
+            except ProtocolViolation as e:
+                self._log_dropped(str(e.context.get("peer_id", subkey)), e)
+                continue
+            entries[subkey] = (opened.payload, expiration)
         return entries
+
+    def drop(self, reason: str, error: ProtocolViolation) -> None:
+        """Counts and logs a record a reader refused after its signature checked out (e.g. a bad payload)."""
+        self.verifier.count(reason)
+        self._log_dropped(str(error.context.get("peer_id", "unknown")), error)
+
+    async def dropped_records(self) -> dict[str, int]:
+        """Records refused, by reason: by this daemon's readers plus by its DHT process (stores and answers)."""
+        counts = self.verifier.counts()
+        try:
+            future = self.dht.run_coroutine(child_drop_counts, return_future=True)
+            child: dict[str, int] = await asyncio.wait_for(asyncio.wrap_future(future),
+                                                           self.config.request_timeout)
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.debug("Could not read the DHT process's record counts: %r", e)
+            return counts
+        for reason, count in child.items():
+            counts[reason] = counts.get(reason, 0) + count
+        return counts
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
         return {subkey: value for subkey, (value, _) in (await self.read_entries(key)).items()}
@@ -191,19 +269,23 @@ class SwarmNode:
             try:
                 peers.append(SeenPeer(parse_record(subkey, value), expiration))
             except ProtocolViolation as e:
-                self._log_dropped(str(subkey), e)
+                self.drop("malformed", e)
         return sorted(peers, key=lambda p: p.record.peer_id)
 
-    def _log_dropped(self, subkey: str, error: ProtocolViolation) -> None:
+    def _log_dropped(self, peer: str, error: ProtocolViolation) -> None:
         # Status requests read the DHT often; one bad peer must not flood the log.
-        last = self._dropped_logged_at.get(subkey, -math.inf)
+        last = self._dropped_logged_at.get(peer, -math.inf)
         if time.monotonic() - last >= 60.0:
-            self._dropped_logged_at[subkey] = time.monotonic()
+            self._dropped_logged_at[peer] = time.monotonic()
             logger.warning("Dropping invalid record: %s", error)
 
     async def shutdown(self) -> None:
         started = time.monotonic()
-        await asyncio.to_thread(self.dht.shutdown)
+        try:
+            await asyncio.to_thread(self.dht.shutdown)
+        finally:
+            if self._ephemeral_dir is not None:
+                shutil.rmtree(self._ephemeral_dir, ignore_errors=True)
         logger.info("DHT and p2pd stopped in %.2fs", time.monotonic() - started)
 
 

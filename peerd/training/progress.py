@@ -1,7 +1,7 @@
 """Training progress in the DHT: each trainer publishes its step and samples; all read the swarm's view.
 
-Records live under ``<run_name>.progress`` (subkey = peer id), expire after ``progress_ttl``, and carry the
-model fingerprint, so a peer with another model or config in the same run is seen, named and refused
+Records live under ``<run_name>.progress`` (subkey = peer id, signed by that peer: ``peerd.swarm.signing``),
+expire after ``progress_ttl``, and carry the model fingerprint, so a peer with another model or config in the same run is seen, named and refused
 rather than failing later with a shape error inside an all-reduce.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from peerd.errors import PeerdError
+from peerd.errors import PeerdError, ProtocolViolation
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PeerIdStr
 
@@ -90,10 +90,12 @@ class ProgressTracker:
             try:
                 record = ProgressRecord.model_validate(value)
             except ValidationError as e:
-                self._warn(subkey, f"malformed progress record from {subkey!r}: {e.errors()[0]['msg']}")
+                self.swarm.drop("malformed", ProtocolViolation(
+                    f"malformed progress record from {subkey[:140]!r}: {e.errors()[0]['msg']}", peer_id=subkey))
                 continue
             if record.peer_id != subkey:
-                self._warn(subkey, f"progress record for {record.peer_id} stored under {subkey!r}")
+                self.swarm.drop("wrong_signer", ProtocolViolation(
+                    f"progress record for {record.peer_id} stored under {subkey[:140]!r}", peer_id=subkey))
             elif record.fingerprint != self.fingerprint:
                 view.foreign[subkey] = record.fingerprint
                 self._warn(

@@ -1,0 +1,76 @@
+"""The record check inside hivemind's DHT process: forged values are neither stored nor believed.
+
+hivemind keeps, per subkey, the value with the latest expiration, and merges the answers of several nodes
+the same way. A forged value the daemon merely dropped after reading would still have displaced the valid
+one inside the DHT (a stranger only needs a later expiration). So the DHT process itself runs
+:class:`SignedRecordValidator` on every value another node asks it to store, every value it stores for the
+daemon, and every answer it gets from another node; hivemind discards a store or a whole answer that fails.
+Its rejections are counted in the DHT process and fetched by the daemon with :func:`child_drop_counts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils.serializer import MSGPackSerializer
+
+from peerd.errors import ProtocolViolation
+from peerd.swarm.signing import RecordVerifier
+from peerd.wire.membership import Membership
+
+__all__ = ["SignedRecordValidator", "child_drop_counts"]
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY = 60.0
+
+
+class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind ships no type information
+    """Accepts only values that :class:`RecordVerifier` opens; every peerd value has a subkey."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.verifier = RecordVerifier(membership)
+        self._logged_at: dict[str, float] = {}
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:  # noqa: BLE001 (msgpack raises several types for foreign bytes)
+            subkey = value = None
+        if not isinstance(subkey, str):
+            # peerd stores every value under a subkey: a plain value or a non-text subkey is not ours
+            self.verifier.count("malformed")
+            self._log("unknown", "a value without a text subkey")
+            return False
+        try:
+            self.verifier.open(record.key, subkey, value, record.expiration_time)
+        except ProtocolViolation as e:
+            self._log(str(e.context.get("peer_id", "unknown")), e.message)
+            return False
+        return True
+
+    def _log(self, peer: str, message: str) -> None:
+        # a stranger's node answers every lookup with its junk: one line a minute per peer is enough
+        last = self._logged_at.get(peer, -math.inf)
+        if time.monotonic() - last >= LOG_EVERY:
+            self._logged_at[peer] = time.monotonic()
+            logger.warning("DHT refused a record: %s", message[:500])
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+
+async def child_drop_counts(_dht: DHT, node: DHTNode) -> dict[str, int]:
+    """Run in the DHT process (``DHT.run_coroutine``): the rejections counted there, by reason."""
+    counts: dict[str, int] = {}
+    validators = getattr(node.protocol.record_validator, "_validators", [])  # hivemind's CompositeValidator
+    for validator in validators:
+        if isinstance(validator, SignedRecordValidator):
+            for reason, count in validator.verifier.counts().items():
+                counts[reason] = counts.get(reason, 0) + count
+    return counts
