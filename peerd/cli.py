@@ -49,6 +49,8 @@ def _overrides(options: dict[str, Any]) -> dict[str, Any]:
         "run_name": "run_name",
         "initial_peers": "swarm.initial_peers",
         "identity": "swarm.identity_path",
+        "swarm_secret": "swarm.secret_path",
+        "allowlist": "swarm.allowlist_path",
         "host_maddrs": "swarm.host_maddrs",
         "announce_maddrs": "swarm.announce_maddrs",
         "control_host": "control.host",
@@ -73,6 +75,10 @@ def config_options(func: F) -> F:
         click.option("--initial-peers", multiple=True,
                      help="Multiaddr of a peer to join through, ending in /p2p/<peer id>. Repeatable."),
         click.option("--identity", type=click.Path(path_type=Path), help="Identity key file from `peerd keygen`."),
+        click.option("--swarm-secret", type=click.Path(path_type=Path),
+                     help="Swarm secret file from `peerd keygen --swarm-secret`: a private swarm of its holders."),
+        click.option("--allowlist", type=click.Path(path_type=Path),
+                     help="File of admitted peer ids, one per line: a private swarm of those peers."),
         click.option("--host-maddrs", multiple=True, help="Multiaddr to listen on. Repeatable."),
         click.option("--announce-maddrs", multiple=True, help="Multiaddr to announce to others. Repeatable."),
         click.option("--control-host", help="Control endpoint bind address (loopback unless control.expose)."),
@@ -141,14 +147,24 @@ def status(control: str | None, config_path: Path | None, as_json: bool, timeout
 
 
 @cli.command()
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--force", is_flag=True, help="Replace an existing file (the old peer id is lost).")
-def keygen(path: Path, force: bool) -> None:
-    """Write a new persistent identity to PATH and print its peer id."""
+@click.argument("path", type=click.Path(path_type=Path), required=False)
+@click.option("--swarm-secret", "secret_path", type=click.Path(path_type=Path),
+              help="Also (or only) write a new random swarm secret here (mode 0600), for a private swarm.")
+@click.option("--force", is_flag=True, help="Replace existing files (an old peer id or secret is lost).")
+def keygen(path: Path | None, secret_path: Path | None, force: bool) -> None:
+    """Write a new persistent identity to PATH and print its peer id; with --swarm-secret, a swarm secret."""
     from peerd.swarm.identity import generate_identity
+    from peerd.wire.membership import generate_secret
 
+    if path is None and secret_path is None:
+        raise click.UsageError("give a PATH for an identity, --swarm-secret PATH for a swarm secret, or both")
     try:
-        click.echo(generate_identity(path, overwrite=force))
+        if path is not None:
+            click.echo(generate_identity(path, overwrite=force))
+        if secret_path is not None:
+            generate_secret(secret_path, overwrite=force)
+            click.echo(f"wrote a new swarm secret to {secret_path}: give it to the swarm's members (privately) "
+                       f"and start each peer with --swarm-secret {secret_path}", err=True)
     except PeerdError as e:
         _fail(e)
 

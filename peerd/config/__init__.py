@@ -15,7 +15,14 @@ from peerd.config.loader import (
     load_config,
     read_yaml,
 )
-from peerd.config.peer import DEFAULT_CONTROL_PORT, ControlConfig, LoggingConfig, Role, StreamLimits, SwarmConfig
+from peerd.config.peer import (
+    DEFAULT_CONTROL_PORT,
+    ControlConfig,
+    LoggingConfig,
+    Role,
+    StreamLimits,
+    SwarmConfig,
+)
 from peerd.config.training import AveragingConfig, CheckpointConfig, CodecConfig, TaskConfig, TrainingConfig
 
 __all__ = [

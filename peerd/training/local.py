@@ -32,6 +32,7 @@ class LocalModel:
         # Reused every step: a fresh model-sized tensor per step would pay a page fault per 4 KiB each time.
         self._gradient = torch.empty(self.numel)
         self.averaged = torch.empty(self.numel)  # the all-reduce's `out`
+        self._before_step = torch.empty(self.numel)  # the parameters before the last step, to undo it
 
     def forward_backward(self, batch: Batch) -> tuple[float, int]:
         samples = self.task.samples_in(batch)
@@ -52,15 +53,42 @@ class LocalModel:
             offset += p.numel()
         return self._gradient
 
-    def apply(self, flat: torch.Tensor) -> None:
-        """One optimizer step with ``flat`` (a gradient laid out as flat_mean_grad's) as the gradient."""
+    def apply(self, flat: torch.Tensor) -> str | None:
+        """One optimizer step with ``flat`` (a gradient laid out as flat_mean_grad's) as the gradient; None
+        if applied, else why it was not. A step that would leave a parameter or optimizer slot NaN/Inf is
+        undone: a peer with non-finite weights trains on them forever and shares them with every joiner."""
+        if not torch.isfinite(flat).all():
+            self.drop_gradients()
+            return "the averaged gradient holds NaN/Inf"
         offset = 0
         for p in self.params:
+            self._before_step[offset : offset + p.numel()] = p.data.reshape(-1)
             # a view, not a copy: zero_grad(set_to_none) below drops it before the buffer is reused
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
+        slots = {id(p): {k: v.clone() for k, v in self.optimizer.state.get(p, {}).items()
+                         if isinstance(v, torch.Tensor)} for p in self.params} if self._slots_at_risk(flat) else None
         self.optimizer.step()
         self.drop_gradients()
+        if all(bool(torch.isfinite(t).all()) for t in self.state_tensors()):
+            return None
+        offset = 0
+        for p in self.params:
+            p.data.copy_(self._before_step[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        for p in self.params:
+            saved = slots.get(id(p)) if slots is not None else None
+            if saved:
+                self.optimizer.state[p] = saved
+            else:  # no slots yet, or not copied (not at risk): they restart from nothing
+                self.optimizer.state.pop(p, None)
+        return "the step would have made parameters or optimizer state non-finite; undone"
+
+    @staticmethod
+    def _slots_at_risk(flat: torch.Tensor) -> bool:
+        """Whether squares of this gradient could overflow Adam's second moment (float32 max is 3.4e38), the
+        one way a finite gradient reaches the optimizer's slots as Inf; only then are the slots copied."""
+        return bool(flat.abs().max() > 1e18) if flat.numel() else False
 
     def drop_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

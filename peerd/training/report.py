@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from peerd.averaging.group import RoundReport
@@ -35,10 +35,12 @@ class TrainingReport:
     rounds_solo: int = 0
     group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
+    steps_refused: int = 0  # updates not applied: they would have made the model non-finite
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
     foreign_peers: dict[str, str] = field(default_factory=dict)
+    clipped_peers: dict[str, int] = field(default_factory=dict)  # peer id -> rounds our span clipped/capped it
     losses: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=LOSS_HISTORY))
     curve: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=CURVE_POINTS))
     validations: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=CURVE_POINTS))
@@ -73,6 +75,8 @@ class TrainingReport:
         self.bytes_received += report.bytes_received
         self.record_traffic("gradients", report.bytes_sent, report.bytes_received)
         self.round_durations.observe(report.duration)
+        for peer in report.clipped:
+            self.clipped_peers[peer] = self.clipped_peers.get(peer, 0) + 1
         self.last_round = {
             "step": self.step,
             "group_size": report.group_size,
@@ -82,6 +86,9 @@ class TrainingReport:
             "bytes_received": report.bytes_received,
             "codec_error": report.codec_error,
             "excluded": dict(report.excluded),
+            "aggregation": report.aggregation,
+            # contributions to this peer's span that the robust rule clipped or weight-capped, by peer id
+            "clipped": {peer: asdict(note) for peer, note in report.clipped.items()},
         }
         self.rounds.append({"time": round(time.time(), 3), **self.last_round})
         self._note_validation()
@@ -135,10 +142,12 @@ class TrainingReport:
             "rounds_solo": self.rounds_solo,
             "group_sizes": {str(size): count for size, count in sorted(self.group_sizes.items())},
             "state_syncs": self.state_syncs,
+            "steps_refused": self.steps_refused,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "last_round": self.last_round,
             "foreign_peers": self.foreign_peers,
+            "clipped_peers": dict(self.clipped_peers),
             "traffic": {kind: dict(entry) for kind, entry in self.traffic.items()},
             "round_durations": self.round_durations.as_dict(),
         }

@@ -217,7 +217,11 @@ class CollaborativeTrainer:
             averaged = local
             self.report.rounds_solo += 1
         async with self._step_lock:
-            await asyncio.to_thread(self.local.apply, averaged)
+            refused = await asyncio.to_thread(self.local.apply, averaged)
+            if refused is not None:
+                # every member of the round got the same update and refuses it too: steps stay in agreement
+                logger.error("Step %d: update not applied: %s", self.step, refused)
+                self.report.steps_refused += 1
             self.step += 1
             self.samples = 0
         self.report.step = self.step

@@ -65,6 +65,8 @@ async def initiate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, m
     nonces = (nonce, challenge.nonce)
     if not membership.check_tag(challenge.proof, _RESPONDER, protocol.encode(), me.encode(), peer.encode(),
                                 *nonces):
+        # an empty proof, so that the responder logs a failed proof from us rather than a broken stream
+        await write_frame(writer, pb.Proof().SerializeToString())
         raise MembershipError(f"{peer} is not a member of this swarm: its proof of the swarm secret failed",
                               peer_id=peer, code="HANDSHAKE_BAD_PROOF")
     proof = _proof(membership, _INITIATOR, protocol, me, peer, nonces)
@@ -102,8 +104,7 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mem
     assert isinstance(proof, pb.Proof)
     if not membership.check_tag(proof.proof, _INITIATOR, protocol.encode(), peer.encode(), me.encode(), *nonces):
         reason = "its proof of the swarm secret failed (another secret?)"
-        await write_frame(writer, pb.Verdict(code=pb.HANDSHAKE_BAD_PROOF, message=reason).SerializeToString())
-        await wait_for_close(reader)
+        await _answer(reader, writer, pb.Verdict(code=pb.HANDSHAKE_BAD_PROOF, message=reason))
         raise _refused(peer, pb.HANDSHAKE_BAD_PROOF, reason, by_us=True)
     await write_frame(writer, pb.Verdict(code=pb.HANDSHAKE_OK).SerializeToString())
 
@@ -126,5 +127,13 @@ async def refuse(
 ) -> None:
     """Answers a stream with a refusal in place of the Challenge, and lets the initiator read it before the
     caller closes (closing with input unread can drop the answer inside p2pd: frames.wait_for_close)."""
-    await write_frame(writer, pb.Challenge(version=VERSION, code=code, message=message).SerializeToString())
+    await _answer(reader, writer, pb.Challenge(version=VERSION, code=code, message=message))
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, refusal: Message) -> None:
+    """Best effort: the refused side may already have closed, and the refusal stands either way."""
+    try:
+        await write_frame(writer, refusal.SerializeToString())
+    except (ConnectionError, OSError):
+        return
     await wait_for_close(reader)
