@@ -50,13 +50,16 @@ def describe_process(pid: int) -> str:
 class PeerProcess:
     """One `peerd start` subprocess with its ready line, log file and whole process tree."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None, module: str = "peerd"
+    ) -> None:
+        """``module``: what ``python -m`` runs with ``start`` and ``args`` (tests run patched peers this way)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes to it until stop() closes it
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peerd", "start", *args],
+            [sys.executable, "-m", module, "start", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,

@@ -123,6 +123,7 @@ class AllReducer:
             await asyncio.wait_for(asyncio.gather(own, *exchanges), deadline + self.config.join_timeout + 5.0)
             await reducer.answered(self.config.join_timeout)
             report.excluded.update(reducer.excluded)
+            report.aggregation, report.clipped = reducer.rule, reducer.clipped
             report.bytes_sent += reducer.bytes_sent
             report.bytes_received += reducer.bytes_received
         finally:

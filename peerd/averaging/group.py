@@ -17,6 +17,17 @@ class Group:
 
 
 @dataclass
+class Clipping:
+    """What a robust rule did to one member's contribution to one reducer's span in one round."""
+
+    span: int  # the reducer's rank
+    claimed_weight: float
+    weight: float  # the smallest weight it was given in any chunk, after capping
+    chunks: int = 0  # chunks in which it was clipped or weight-capped
+    kept: float = 1.0  # smallest fraction of its deviation from the center kept in any chunk (1: not clipped)
+
+
+@dataclass
 class RoundReport:
     """What happened in one round, for logs, status and metrics."""
 
@@ -28,3 +39,5 @@ class RoundReport:
     codec_error: float = 0.0  # relative L2 error of this peer's coded contributions
     excluded: dict[str, str] = field(default_factory=dict)  # peer id -> reason
     failed_spans: list[int] = field(default_factory=list)
+    aggregation: str = "mean"  # the rule this peer's span was combined with
+    clipped: dict[str, Clipping] = field(default_factory=dict)  # peer id -> what this peer's span did to it

@@ -3,8 +3,11 @@ soon as every member still in the round has delivered it, so averages flow back 
 arrive. A member whose chunk fails validation, whose stream breaks or who is too slow is excluded from the
 rest of the round; its earlier, valid chunks stay in their averages. Nothing invalid is ever added.
 
-Each chunk's running sum lives in the caller's result slice and starts when the chunk is first touched, so a
-round does no span-sized work before its first chunk leaves (that was 30-80 ms of idle uplink per round)."""
+With ``averaging.aggregation: mean`` each chunk's running sum lives in the caller's result slice and starts
+when the chunk is first touched, so a round does no span-sized work before its first chunk leaves (that was
+30-80 ms of idle uplink per round). A robust rule keeps every member's decoded chunk instead and combines
+them once all are in (robust.py): the rule needs them together, and combining in rank order makes the result
+independent of arrival order."""
 
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import threading
 import torch
 
 from peerd.averaging.compute import run_chunk_work
-from peerd.averaging.group import Group
+from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import SpanView, check_request
+from peerd.averaging.robust import WINDOW, RobustChunks, rule_label
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -71,6 +75,11 @@ class SpanReducer:
         self._answered: set[str] = set()
         self._all_answered = asyncio.Event()
         self._closed = False
+        self.rule = rule_label(config, len(group.members))
+        self.robust: RobustChunks | None = None
+        if config.aggregation != "mean":
+            self.robust = RobustChunks(group, rank, min(self.numel, config.chunk_numel), config)
+            self.robust.claims[peer_id] = weight
         for index in range(len(self.chunks)):
             self._maybe_finalize(index)
 
@@ -110,8 +119,18 @@ class SpanReducer:
     def _average_chunk(self, index: int) -> bytearray:
         start, end = self.chunks[index]
         with self._sum_lock:  # after this, _add refuses the chunk (it is in _finalizing)
-            self._start(index)
-            average = self.out[start:end].div_(self.weights[index])
+            if self.robust is None:
+                self._start(index)
+                average = self.out[start:end].div_(self.weights[index])
+            else:
+                own = self.robust.row(index, self.peer_id, end - start).copy_(self.own[start:end])
+                if self.own_residual is not None:
+                    own.add_(self.own_residual[start:end])
+                    self.own_residual[start:end] = 0
+                included = set(self.included[index])
+        if self.robust is not None:
+            average = self.out[start:end]
+            self.weights[index] = self.robust.combine(index, included, end - start, average)
         # Code the average plus what coding dropped from our last one, and use the decoded average ourselves
         # too, so every member applies bit-identical values.
         residual = self.residual[start:end] if self.residual is not None else None
@@ -136,6 +155,13 @@ class SpanReducer:
             for sender in sorted(set().union(*self.pending)):
                 self.exclude(sender, f"contribution incomplete after {timeout:.1f}s")
             await asyncio.gather(*(event.wait() for event in self.ready))
+        if self.robust is not None:
+            self.robust.log(len(self.chunks))
+
+    @property
+    def clipped(self) -> dict[str, Clipping]:
+        """Members whose contributions to this span a robust rule clipped or weight-capped."""
+        return dict(self.robust.clipped) if self.robust is not None else {}
 
     async def answered(self, timeout: float) -> None:
         """Waits until every member still in the round has been sent all averages, so byte counts are final."""
@@ -168,6 +194,8 @@ class SpanReducer:
             await wait_for_close(reader)  # its chunks may follow the request: closing now could drop the refusal
             return
         self.serving.add(sender)
+        if self.robust is not None:
+            self.robust.claims[sender] = request.weight
         answers = asyncio.ensure_future(self._answer(sender, writer))
         try:
             await self._receive(sender, request.weight, reader)
@@ -185,6 +213,8 @@ class SpanReducer:
         scratch = torch.empty(min(self.numel, self.config.chunk_numel), dtype=torch.float32)
         adding: asyncio.Future[None] | None = None
         for index, (start, end) in enumerate(self.chunks):
+            if self.robust is not None and index >= WINDOW:
+                await self.ready[index - WINDOW].wait()  # bounds the decoded chunks held (robust.py)
             data = await read_frame(reader, max_payload_bytes(end - start), sender, f"chunk {index}")
             self.bytes_received += frame_size(len(data))
             if adding is not None:
@@ -199,6 +229,18 @@ class SpanReducer:
 
     def _add(self, data: bytes, sender: str, weight: float, index: int, scratch: torch.Tensor) -> None:
         start, end = self.chunks[index]
+        if self.robust is not None:
+            with self._sum_lock:
+                if index in self._finalizing:
+                    raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was combined", peer_id=sender)
+                row = self.robust.row(index, sender, end - start)
+            # only this sender writes its row, and the chunk is not combined before it counts as included
+            codec.decode(data, peer_id=sender, expected_shape=(end - start,), max_numel=end - start, out=row)
+            with self._sum_lock:
+                if index in self._finalizing:  # excluded meanwhile (e.g. timed out): its row is not read
+                    raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was combined", peer_id=sender)
+                self.included[index].add(sender)
+            return
         chunk = scratch[: end - start]
         codec.decode(data, peer_id=sender, expected_shape=(end - start,), max_numel=end - start, out=chunk)
         with self._sum_lock:  # sum, weight and membership change together, or not at all

@@ -51,6 +51,28 @@ class AveragingConfig(Section):
         description="Elements per streamed chunk: averages of early chunks flow back while later ones are sent. "
         "Must match across the swarm.",
     )
+    aggregation: Literal["centered_clip", "trimmed_mean", "mean"] = Field(
+        default="centered_clip",
+        description="How a reducer combines its span's contributions. 'centered_clip' (robust: each member's "
+        "deviation from the group's center is clipped to clip_radius times the median deviation) and "
+        "'trimmed_mean' (robust: per coordinate the highest and lowest quarter are dropped) cap claimed "
+        "weights (max_weight_ratio) and need every member's chunk before combining it; groups of 2 have no "
+        "majority, so they average with capped weights. 'mean' trusts every member: the weighted mean of "
+        "the claimed weights, summed as chunks arrive. The reducer decides; members apply its result.",
+    )
+    max_weight_ratio: float = Field(
+        default=2.0, ge=1.0, allow_inf_nan=False,
+        description="Robust aggregation: a member's claimed weight (samples) counts at most this many times "
+        "the group's median claim.",
+    )
+    clip_radius: float = Field(
+        default=0.75, gt=0, allow_inf_nan=False,
+        description="centered_clip: clip each deviation from the center to this many times the median "
+        "distance of the members from the medoid (benchmarks/bench_aggregation.py has the sweep).",
+    )
+    clip_iterations: int = Field(
+        default=3, ge=1, le=50, description="centered_clip: fixed-point iterations per chunk."
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> AveragingConfig:

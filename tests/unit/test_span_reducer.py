@@ -23,7 +23,7 @@ from peerd.wire import codec
 pytestmark = pytest.mark.timeout(30)
 
 CODEC = CodecConfig(min_compress_numel=0)
-CONFIG = AveragingConfig(chunk_numel=1024, codec=CODEC)
+CONFIG = AveragingConfig(chunk_numel=1024, codec=CODEC, aggregation="mean")  # the streaming path
 ME, OTHER = "12D3KooWReducer", "12D3KooWSender"
 GROUP = Group("round", (ME, OTHER))
 

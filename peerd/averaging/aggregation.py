@@ -1,0 +1,124 @@
+"""Aggregation rules a reducer applies to one chunk of its span: the weighted mean and the robust rules.
+
+A robust rule sees every included member's decoded chunk at once, as rows of a (members, numel) matrix in
+rank order, so its result does not depend on arrival order. Two defences act together:
+
+- Claimed weights are capped at ``max_weight_ratio`` times the group's median claim (the lower median, so
+  with two members the smaller claim sets the cap): a member claiming 10x the samples of the others gets at
+  most ``max_weight_ratio`` times their say.
+- ``centered_clip`` (Karimireddy et al. 2021, as used per partition in "Secure Distributed Training at
+  Scale", Gorbunov et al. 2022): start at the medoid (the member with the smallest median distance to the
+  others), then repeat ``v += sum_i w_i * clip_tau(x_i - v) / sum_i w_i``, where ``clip_tau`` scales a
+  vector down to norm ``tau``. ``tau`` is ``clip_radius`` times the median distance of the others from the
+  medoid, so it follows the honest members' spread with no scale to tune. A member's "kept" fraction is the scale its
+  deviation got in the last iteration (1: untouched).
+- ``trimmed_mean``: per coordinate, drop the ``ceil(n / 4)`` smallest and largest values, average the rest
+  (unweighted: any weighting would let a heavy claim back in).
+
+With fewer than 3 members there is no majority to trust, so robust rules fall back to the mean of the
+(capped) weights; callers report that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROBUST_MIN_MEMBERS = 3
+
+
+@dataclass(frozen=True)
+class Combined:
+    """What one rule did to one chunk: ``kept[i]`` is member row i's kept fraction (1.0 if untouched),
+    ``weights[i]`` the weight it was given after capping."""
+
+    kept: list[float]
+    weights: list[float]
+
+
+def cap_weights(claims: list[float], max_ratio: float) -> list[float]:
+    """Each claim capped at ``max_ratio`` times the lower median claim."""
+    ordered = sorted(claims)
+    cap = max_ratio * ordered[(len(ordered) - 1) // 2]
+    return [min(claim, cap) for claim in claims]
+
+
+def weighted_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) -> Combined:
+    w = torch.tensor(weights, dtype=torch.float64)
+    torch.mv(rows.t(), (w / w.sum()).to(rows.dtype), out=out)
+    return Combined([1.0] * len(weights), weights)
+
+
+def _medoid(rows: torch.Tensor) -> int:
+    """The member whose median distance to the others is smallest: an honest member while most are."""
+    gram = (rows @ rows.t()).double()
+    norms = gram.diagonal()
+    distances = (norms[:, None] + norms[None, :] - 2 * gram).clamp_min(0).sqrt()
+    n = rows.shape[0]
+    others = [sorted(float(d) for j, d in enumerate(distances[i]) if j != i) for i in range(n)]
+    medians = [row[(len(row) - 1) // 2] for row in others]
+    return min(range(n), key=lambda i: (medians[i], i))
+
+
+def centered_clip(
+    rows: torch.Tensor, weights: list[float], out: torch.Tensor, radius: float, iterations: int
+) -> Combined:
+    """Writes the CenteredClip aggregate of ``rows`` (members x numel; overwritten) into ``out``.
+
+    The iterate stays in the span of the rows, ``v = x_m + sum_j c_j (x_j - x_m)`` around the medoid ``x_m``,
+    so every distance comes from one members x members Gram matrix of the differences and the chunk is
+    touched only three times (Gram, differences, result) however many iterations run. Differences, not raw
+    rows, go into the Gram matrix: members close to each other then keep their distances' precision.
+    """
+    n = rows.shape[0]
+    medoid = _medoid(rows)
+    out.copy_(rows[medoid])
+    rows.sub_(out)  # rows[i] = x_i - x_m
+    gram = (rows @ rows.t()).double()
+    w = torch.tensor(weights, dtype=torch.float64)
+    w = w / w.sum()
+    others = sorted(float(gram[i, i]) for i in range(n) if i != medoid)
+    tau = radius * others[(len(others) - 1) // 2] ** 0.5
+    coefficients = torch.zeros(n, dtype=torch.float64)
+    scales = torch.ones(n, dtype=torch.float64)
+    if tau <= 0.0 or not math.isfinite(tau):  # at least half the members equal the medoid: that is the answer
+        return Combined([1.0 if float(gram[i, i]) == 0.0 else 0.0 for i in range(n)], weights)
+    for _ in range(iterations):
+        # ||x_i - v||^2 = ||d_i - D^T c||^2 with d_i = x_i - x_m
+        gc = gram @ coefficients
+        squared = gram.diagonal() - 2 * gc + coefficients @ gc
+        scales = torch.clamp(tau / squared.clamp_min(0).sqrt().clamp_min(1e-300), max=1.0)
+        step = w * scales  # v += sum_i w_i s_i (d_i - D^T c)
+        coefficients = coefficients + step - step.sum() * coefficients
+    out.add_(torch.mv(rows.t(), coefficients.to(rows.dtype)))
+    return Combined([float(s) for s in scales], weights)
+
+
+def trimmed_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) -> Combined:
+    """Writes the coordinate-wise trimmed mean of ``rows`` into ``out``; ``kept[i]`` is the fraction of
+    member i's coordinates that entered the mean. ``weights`` are only reported: the mean is unweighted."""
+    n = rows.shape[0]
+    trim = math.ceil(n / 4)
+    ordered, order = torch.sort(rows, dim=0)
+    torch.mean(ordered[trim : n - trim], dim=0, out=out)
+    middle = order[trim : n - trim].reshape(-1)
+    kept_counts = torch.bincount(middle, minlength=n)
+    numel = max(1, rows.shape[1])
+    return Combined([float(c) / numel for c in kept_counts], weights)
+
+
+def combine(
+    rule: str, rows: torch.Tensor, claims: list[float], out: torch.Tensor, max_weight_ratio: float,
+    clip_radius: float, clip_iterations: int,
+) -> Combined:
+    """Applies ``rule`` ('mean', 'centered_clip' or 'trimmed_mean') to ``rows`` with capped ``claims``."""
+    weights = cap_weights(claims, max_weight_ratio)
+    if rule == "mean" or rows.shape[0] < ROBUST_MIN_MEMBERS:
+        return weighted_mean(rows, weights, out)
+    if rule == "centered_clip":
+        return centered_clip(rows, weights, out, clip_radius, clip_iterations)
+    if rule == "trimmed_mean":
+        return trimmed_mean(rows, weights, out)
+    raise ValueError(f"unknown aggregation rule {rule!r}")

@@ -1,0 +1,117 @@
+"""Aggregation rules (peerd/averaging/aggregation.py) and a reducer combining robustly (robust.py), no network."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from peerd.averaging.aggregation import cap_weights, centered_clip, combine, trimmed_mean
+from peerd.averaging.group import Group
+from peerd.averaging.reducer import SpanReducer
+from peerd.config import AveragingConfig, CodecConfig
+from peerd.wire import codec
+
+pytestmark = pytest.mark.timeout(30)
+
+CODEC = CodecConfig(min_compress_numel=0)
+ME, A, B, BAD = "12D3KooWReducer", "12D3KooWHonestA", "12D3KooWHonestB", "12D3KooWAttacker"
+
+
+def honest_rows(n: int, numel: int, spread: float, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    g = torch.randn(numel, generator=generator)
+    return g + spread * torch.randn(n, numel, generator=generator)
+
+
+def test_claims_are_capped_at_a_multiple_of_the_lower_median() -> None:
+    assert cap_weights([32, 32, 32, 320], 2.0) == [32, 32, 32, 64]
+    assert cap_weights([32, 48, 16, 40], 2.0) == [32, 48, 16, 40]  # within 2x of the median 32: untouched
+    # two members have no majority: the smaller claim sets the cap, so a 10x claim gets 2x
+    assert cap_weights([10.0, 1.0], 2.0) == [2.0, 1.0]
+
+
+def test_centered_clip_without_outliers_is_the_weighted_mean() -> None:
+    rows = honest_rows(4, 4096, 0.5)
+    weights = [1.0, 2.0, 1.0, 1.5]
+    expected = (torch.tensor(weights)[:, None] * rows).sum(0) / sum(weights)
+    out = torch.empty(4096)
+    result = centered_clip(rows.clone(), weights, out, radius=0.75, iterations=3)
+    assert result.kept == [1.0] * 4
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_centered_clip_bounds_a_flipped_and_scaled_member() -> None:
+    rows = honest_rows(4, 4096, 0.5)
+    honest = rows[:3].mean(0)
+    rows[3] *= -1000.0
+    out = torch.empty(4096)
+    result = combine("centered_clip", rows, [32.0, 32.0, 32.0, 320.0], out, 2.0, 0.75, 3)
+    assert result.weights == [32.0, 32.0, 32.0, 64.0]
+    assert result.kept[3] < 1e-3 and min(result.kept[:3]) > 0.5
+    # the honest members' own spread around their mean is about 0.5 * sqrt(4096 * 2 / 3) = 26
+    assert float((out - honest).norm()) < 0.5 * float(honest.norm())
+
+
+def test_a_majority_in_exact_agreement_is_the_answer() -> None:
+    value = torch.randn(2048)
+    rows = torch.stack([value, value, value, 1e6 * torch.randn(2048)])
+    out = torch.empty(2048)
+    result = centered_clip(rows, [1.0] * 4, out, radius=0.75, iterations=3)
+    assert torch.equal(out, value)
+    assert result.kept == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_trimmed_mean_drops_the_extremes_of_each_coordinate() -> None:
+    rows = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, -1e9], [1e9, 30.0]])
+    out = torch.empty(2)
+    result = trimmed_mean(rows, [1.0] * 4, out)
+    assert out.tolist() == [2.5, 15.0]
+    assert result.kept == [0.5, 1.0, 0.5, 0.0]
+
+
+def test_two_members_get_the_mean_of_capped_weights() -> None:
+    rows = torch.tensor([[0.0, 0.0], [3.0, 6.0]])
+    out = torch.empty(2)
+    result = combine("centered_clip", rows, [1.0, 10.0], out, 2.0, 0.75, 3)
+    assert result.weights == [1.0, 2.0]
+    assert torch.allclose(out, torch.tensor([2.0, 4.0]))
+
+
+def robust_reducer(own: torch.Tensor, out: torch.Tensor) -> SpanReducer:
+    config = AveragingConfig(chunk_numel=1024, codec=CODEC)
+    return SpanReducer(Group("round", (ME, A, B, BAD)), 0, own, 32.0, config, CODEC, ME, out)
+
+
+def test_the_reducer_clips_the_attacker_and_says_so_whatever_the_arrival_order() -> None:
+    rows = honest_rows(4, 1024, 0.5, seed=3)
+    payloads = {A: bytes(codec.encode(rows[1], CODEC)), B: bytes(codec.encode(rows[2], CODEC)),
+                BAD: bytes(codec.encode(-1000.0 * rows[3], CODEC))}
+    claims = {A: 32.0, B: 32.0, BAD: 320.0}
+
+    async def combined(order: tuple[str, ...]) -> tuple[bytes, torch.Tensor, SpanReducer]:
+        out = torch.empty(1024)
+        reducer = robust_reducer(rows[0].clone(), out)
+        for sender in order:
+            reducer.robust.claims[sender] = claims[sender]  # type: ignore[union-attr]
+            reducer._add(payloads[sender], sender, claims[sender], 0, torch.empty(1024))
+        payload = bytes(reducer._average_chunk(0))
+        reducer.close()
+        return payload, out, reducer
+
+    async def body() -> None:
+        results = [await combined(order) for order in itertools.permutations([A, B, BAD])]
+        assert len({payload for payload, _, _ in results}) == 1  # bit-identical, arrival order does not matter
+        _, out, reducer = results[0]
+        honest = rows[:3].mean(0)
+        assert float((out - honest).norm()) < 0.5 * float(honest.norm())
+        note = reducer.clipped[BAD]
+        # the honest members may lose a little of their deviation too (the center leans towards the attacker
+        # by at most tau times its capped share), never most of it
+        assert all(reducer.clipped[m].kept > 0.5 for m in (ME, A, B) if m in reducer.clipped)
+        assert note.kept < 1e-3 and note.weight == 64.0 and note.claimed_weight == 320.0 and note.chunks == 1
+        assert reducer.weights[0] == 32.0 * 3 + 64.0
+
+    asyncio.run(body())
