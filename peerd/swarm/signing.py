@@ -137,6 +137,9 @@ class RecordVerifier:
             payload = None
         if not isinstance(payload, dict):
             raise _reject("malformed", f"value under {subkey[:140]!r}: payload is not a JSON object", claimed)
+        key = _public_key(public_key)
+        if key is None:
+            raise _reject("malformed", f"value under {subkey[:140]!r}: not an RSA public key", claimed)
         signer = peer_id_of(public_key)
         described = payload.get("peer_id")
         if described != signer or claimed not in (None, signer):
@@ -149,7 +152,7 @@ class RecordVerifier:
             if cached:
                 self._verified.move_to_end(digest)
         if not cached:
-            self._verify(public_key, signature, message, signer)
+            self._verify(key, signature, message, signer)
             with self._lock:
                 self._verified[digest] = signer
                 if len(self._verified) > CACHE_SIZE:
@@ -161,14 +164,7 @@ class RecordVerifier:
         return Opened(payload, signer)
 
     @staticmethod
-    def _verify(public_key: bytes, signature: bytes, message: bytes, signer: str) -> None:
-        try:
-            proto = crypto_pb2.PublicKey.FromString(public_key)
-            key = serialization.load_der_public_key(proto.data)
-        except Exception:  # noqa: BLE001 (protobuf and cryptography raise several types for foreign bytes)
-            raise _reject("malformed", f"value signed by {signer}: unusable public key", signer) from None
-        if proto.key_type != crypto_pb2.RSA or not isinstance(key, rsa.RSAPublicKey):
-            raise _reject("malformed", f"value signed by {signer}: not an RSA key", signer)
+    def _verify(key: rsa.RSAPublicKey, signature: bytes, message: bytes, signer: str) -> None:
         try:
             key.verify(signature, message, _PSS, hashes.SHA256())
         except InvalidSignature:
@@ -178,6 +174,16 @@ class RecordVerifier:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {reason: self.dropped[reason] for reason in (*DROP_REASONS, *self.dropped)}
+
+
+@functools.lru_cache(maxsize=4096)  # a swarm has few keys; parsing DER costs more than a cached check
+def _public_key(serialized: bytes) -> rsa.RSAPublicKey | None:
+    try:
+        proto = crypto_pb2.PublicKey.FromString(serialized)
+        key = serialization.load_der_public_key(proto.data)
+    except Exception:  # noqa: BLE001 (protobuf and cryptography raise several types for foreign bytes)
+        return None
+    return key if proto.key_type == crypto_pb2.RSA and isinstance(key, rsa.RSAPublicKey) else None
 
 
 def _fields(subkey: str, value: object) -> tuple[bytes, bytes, bytes, bytes, float]:
