@@ -328,10 +328,11 @@ def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any
         loop.call_soon_threadsafe(loop.stop)
 
 
-def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None) -> None:
+def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None, aggregation: str | None = None) -> None:
     """peerd's own all-reduce: 8-bit blockwise codec (+ error feedback off: one-shot data), reduce-scatter and
     all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd.
-    With ``secret``, every stream starts with the membership handshake of a private swarm."""
+    With ``secret``, every stream starts with the membership handshake of a private swarm; ``aggregation``
+    overrides averaging.aggregation (default: the config's robust default)."""
     from peerd.averaging.allreduce import AllReducer
     from peerd.averaging.group import Group
     from peerd.config import AveragingConfig, StreamLimits
@@ -344,6 +345,8 @@ def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None) -> None:
         overrides = json.loads(os.environ.get("PEERD_BENCH_CONFIG") or "{}")
         if os.environ.get("PEERD_BENCH_CHUNK"):
             overrides["chunk_numel"] = int(os.environ["PEERD_BENCH_CHUNK"])
+        if aggregation is not None:
+            overrides["aggregation"] = aggregation
         config = AveragingConfig(**{"round_timeout": 120.0, "join_timeout": 30.0, **overrides})
         reducer = AllReducer(StreamGuard(p2p, Membership(secret), StreamLimits()), config)
         run(reducer.start())
@@ -506,6 +509,9 @@ BACKENDS: dict[str, Backend] = {
     # the same with a swarm secret: the membership handshake's cost on every stream of a round
     "peerd_secret": Backend(functools.partial(peerd_worker, secret=bytes(range(32))), tolerance=0.1,
                             payload_bytes=_peerd_payload),
+    # the streaming weighted mean instead of the robust default: peerd / peerd_mean = what robustness costs
+    "peerd_mean": Backend(functools.partial(peerd_worker, aggregation="mean"), tolerance=0.1,
+                          payload_bytes=_peerd_payload),
     "hivemind": Backend(hivemind_worker, tolerance=1e-4, payload_bytes=_ring_like,
                         metrics=("allreduce", "step", "matchmaking")),
     "p2pd": Backend(p2pd_worker, tolerance=0.0, payload_bytes=_peerd_payload, reference=True),

@@ -28,10 +28,10 @@ from peerd.tables import format_table
 Rule = Callable[[torch.Tensor, list[float], torch.Tensor], object]
 
 
-def norm_clip(rows: torch.Tensor, claims: list[float], out: torch.Tensor) -> object:
+def norm_clip(rows: torch.Tensor, claims: list[float], out: torch.Tensor, max_weight_ratio: float) -> object:
     norms = torch.linalg.vector_norm(rows, dim=1)
     scales = torch.clamp(float(torch.median(norms)) / norms.clamp_min(1e-30), max=1.0)
-    return weighted_mean(rows * scales[:, None], cap_weights(claims, 2.0), out)
+    return weighted_mean(rows * scales[:, None], cap_weights(claims, max_weight_ratio), out)
 
 
 def rules(config: AveragingConfig) -> dict[str, Rule]:
@@ -43,7 +43,7 @@ def rules(config: AveragingConfig) -> dict[str, Rule]:
 
     return {
         "mean (claimed weights)": peerd_rule("mean"),
-        "norm clip to median norm": norm_clip,
+        "norm clip to median norm": lambda rows, claims, out: norm_clip(rows, claims, out, config.max_weight_ratio),
         "trimmed_mean": peerd_rule("trimmed_mean"),
         "centered_clip": peerd_rule("centered_clip"),
     }

@@ -32,6 +32,9 @@ Backends (add one by writing a worker in _allreduce_workers.py and registering i
               what peerd's algorithm (codec, chunking, waiting for every member's chunk) costs.
   peerd_secret -- the peerd row in a private swarm: every stream starts with the membership handshake (two
               round trips, HMAC proofs both ways). peerd_secret / peerd = what membership costs a round.
+  peerd_mean -- the peerd row with averaging.aggregation=mean (streaming weighted sum) instead of the robust
+              default centered_clip (every member's chunk kept, then combined). peerd / peerd_mean = what the
+              robust rule costs a round.
   hivemind -- hivemind 1.1.12 DecentralizedAverager, NoCompression, group of exactly n. Three rows:
               'allreduce' = time inside the averager process's _aggregate_with_group (the butterfly all-reduce
               itself, matchmaking excluded), 'step' = the whole averager.step() (matchmaking included),

@@ -16,13 +16,17 @@ the spread it has.
 A run whose rounds did not all include every peer (a peer left out by matchmaking, a solo step, a state
 sync) is flagged: it is no longer deterministic.
 
+``--compare aggregation`` instead compares the aggregation rules without attackers: ``mean`` against the
+robust default ``centered_clip`` (both 8-bit + error feedback); the target is within 1%.
+
 Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 2]
-     [--samples-per-step 32] [--timing]
+     [--samples-per-step 32] [--timing] [--compare codec|aggregation]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -34,9 +38,12 @@ from peerd.tables import format_table
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lm.yaml"
 FP32, EIGHT_BIT = "fp32 (lossless)", "8-bit + error feedback"
-SETTINGS = {
-    FP32: ["-o", "averaging.codec.lossless=true"],
-    EIGHT_BIT: [],
+MEAN, ROBUST = "mean", "centered_clip"
+# comparison -> {setting: its overrides}; the first setting is the baseline the second is measured against
+COMPARISONS = {
+    "codec": {FP32: ["-o", "averaging.codec.lossless=true", "-o", "averaging.aggregation=mean"],
+              EIGHT_BIT: ["-o", "averaging.aggregation=mean"]},
+    "aggregation": {MEAN: ["-o", "averaging.aggregation=mean"], ROBUST: ["-o", "averaging.aggregation=centered_clip"]},
 }
 
 
@@ -85,16 +92,20 @@ def main() -> None:
                         help="each peer's share of a global step (whole micro-batches of 16 sequences)")
     parser.add_argument("--timing", action="store_true",
                         help="peerd's default mode instead of lockstep: shares depend on timing")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="codec",
+                        help="codec: 8-bit vs fp32 averaging; aggregation: centered_clip vs mean (8-bit)")
     args = parser.parse_args()
+    settings = COMPARISONS[args.compare]
+    base_name, our_name = settings
     if args.timing:
         mode = ["-o", f"training.target_batch_size={args.samples_per_step * args.peers}"]
         mode_text = f"default mode, target_batch_size {args.samples_per_step * args.peers}"
     else:
         mode = ["-o", f"training.samples_per_step={args.samples_per_step}"]
         mode_text = f"lockstep, {args.samples_per_step} sequences per peer per step"
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
     for repeat in range(args.repeats):
-        for name, extra in SETTINGS.items():
+        for name, extra in settings.items():
             result = run(f"{name.split()[0]}-{repeat}", args.peers, args.steps, mode, extra)
             runs[name].append(result)
             flag = "" if result["deterministic"] or args.timing else (
@@ -111,14 +122,15 @@ def main() -> None:
             f"{min(r['full_rounds'] for r in results)}/{args.steps}",
             f"{statistics.mean(r['mib_sent'] for r in results):.1f}",
         ])
-    print(f"\nLM task, {args.peers} peers, {args.steps} global steps per run ({mode_text}), {args.repeats} runs each")
+    print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"LM task, {args.peers} peers, {args.steps} global steps per run ({mode_text}), {args.repeats} runs each")
     print(format_table(["averaging", "mean final val loss", "per-run final val loss", "run-to-run spread (rel.)",
                         "max spread across peers", "rounds with all peers", "MiB sent/peer"], rows))
-    base = statistics.mean(r["val_loss"] for r in runs[FP32])
-    ours = statistics.mean(r["val_loss"] for r in runs[EIGHT_BIT])
-    fp32_spread = relative_spread([r["val_loss"] for r in runs[FP32]])
-    print(f"\n8-bit / fp32 mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "
-          f"fp32 run-to-run spread {fp32_spread * 100:.3f}% (target: 8-bit within 1% of fp32)")
+    base = statistics.mean(r["val_loss"] for r in runs[base_name])
+    ours = statistics.mean(r["val_loss"] for r in runs[our_name])
+    base_spread = relative_spread([r["val_loss"] for r in runs[base_name]])
+    print(f"\n{our_name} / {base_name} mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "
+          f"{base_name} run-to-run spread {base_spread * 100:.3f}% (target: {our_name} within 1% of {base_name})")
 
 
 if __name__ == "__main__":

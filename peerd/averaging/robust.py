@@ -66,7 +66,8 @@ class RobustChunks:
         result = combine(self.config.aggregation, selected, claims, out, self.config.max_weight_ratio,
                          self.config.clip_radius, self.config.clip_iterations)
         self.spare.append(rows)
-        self._note(index, members, claims, result)
+        if numel:  # an empty span's chunk capped weights but combined nothing: not worth a report
+            self._note(index, members, claims, result)
         return sum(result.weights)
 
     def _note(self, index: int, members: list[str], claims: list[float], result: Combined) -> None:

@@ -61,9 +61,11 @@ class AveragingConfig(Section):
         "the claimed weights, summed as chunks arrive. The reducer decides; members apply its result.",
     )
     max_weight_ratio: float = Field(
-        default=2.0, ge=1.0, allow_inf_nan=False,
+        default=1.0, ge=1.0, allow_inf_nan=False,
         description="Robust aggregation: a member's claimed weight (samples) counts at most this many times "
-        "the group's median claim.",
+        "the group's (lower) median claim. 1: nobody outweighs the median member; an attacker's clipped "
+        "contribution pulls the result by its weight share, so 2 let a -1000x attacker slow training 4-70x "
+        "more than 1 did (README, 'Robust averaging').",
     )
     clip_radius: float = Field(
         default=0.75, gt=0, allow_inf_nan=False,

@@ -111,7 +111,8 @@ def test_the_reducer_clips_the_attacker_and_says_so_whatever_the_arrival_order()
         # the honest members may lose a little of their deviation too (the center leans towards the attacker
         # by at most tau times its capped share), never most of it
         assert all(reducer.clipped[m].kept > 0.5 for m in (ME, A, B) if m in reducer.clipped)
-        assert note.kept < 1e-3 and note.weight == 64.0 and note.claimed_weight == 320.0 and note.chunks == 1
-        assert reducer.weights[0] == 32.0 * 3 + 64.0
+        # averaging.max_weight_ratio 1: nobody outweighs the median claim
+        assert note.kept < 1e-3 and note.weight == 32.0 and note.claimed_weight == 320.0 and note.chunks == 1
+        assert reducer.weights[0] == 32.0 * 4
 
     asyncio.run(body())
