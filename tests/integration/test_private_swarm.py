@@ -1,0 +1,123 @@
+"""A private swarm with real processes: 3 members holding the secret train together and serve experts; a peer
+with no secret and one with another secret join through the same bootstrap address and get nothing: no
+round, no expert call, no state, every attempt refused and logged with their peer ids."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hivemind.p2p import P2P
+
+from peerd.averaging.allreduce import HANDLER_NAME as AVERAGING
+from peerd.config import StreamLimits
+from peerd.errors import MembershipError
+from peerd.experts.server import HANDLER_NAME as EXPERTS
+from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.training.sync import HANDLER_NAME as STATE
+from peerd.wire.guard import StreamGuard
+from peerd.wire.membership import Membership, generate_secret, load_secret
+from tests.integration.test_experts import CONFIG, HIDDEN
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+HOST = (f"{{uid_prefix: 'ffn.1.', count: 4, first_index: 0, hidden_dim: {HIDDEN}, ffn_dim: 64, lr: 0.003, "
+        "announce_period: 1.0, record_ttl: 6.0}")
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    config = tmp_path / "private.yaml"
+    # state transfers only to peers behind: strangers join late, so they try; members never need one
+    config.write_text(CONFIG.replace("run_name: peerd-moe-test", "run_name: peerd-private-test"))
+    with LocalSwarm(config, log_dir=tmp_path) as local_swarm:
+        yield local_swarm
+
+
+def status(peer: PeerProcess) -> dict[str, Any]:
+    return peer.status(timeout=10.0)
+
+
+def good_calls(peer: PeerProcess) -> int:
+    client = (status(peer)["experts"] or {}).get("client") or {"experts": {}}
+    return sum(int(info.get(phase, {}).get("calls", 0)) - int(info.get(phase, {}).get("errors", 0))
+               for info in client["experts"].values() for phase in ("forward", "backward"))
+
+
+def failed_calls(peer: PeerProcess) -> int:
+    client = (status(peer)["experts"] or {}).get("client") or {"experts": {}}
+    return sum(int(info.get("forward", {}).get("errors", 0)) for info in client["experts"].values())
+
+
+async def dial_every_protocol(bootstrap: str, members: list[str], secret_path: Path) -> str:
+    """Joins the DHT through ``bootstrap`` and opens each peerd protocol to each member with another swarm's
+    secret; every open must be refused. Returns this dialer's peer id."""
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[bootstrap])
+    try:
+        guard = StreamGuard(p2p, Membership(load_secret(secret_path)), StreamLimits())
+        for member in members:
+            for protocol in (AVERAGING, STATE, EXPERTS):
+                with pytest.raises(MembershipError, match="proof of the swarm secret failed"):
+                    await guard.open(member, protocol)
+        return guard.peer_id
+    finally:
+        await p2p.shutdown()
+
+
+def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path: Path) -> None:
+    secret, other = tmp_path / "swarm.secret", tmp_path / "other.secret"
+    generate_secret(secret)
+    generate_secret(other)
+    member = ["--swarm-secret", str(secret)]
+    host = swarm.add_peer([*member, "-o", f"experts={HOST}"], timeout=120)
+    members = [host, *(swarm.spawn_peer(member) for _ in range(2))]
+    for peer in members:
+        peer.wait_ready(120)
+    assert status(host)["membership"]["mode"] == "private (swarm secret)"
+    wait_for(lambda: all(status(p)["training"]["step"] >= 4 for p in members), 120, "members to reach step 4", 0.5)
+    first_validation = {p.peer_id: status(p)["training"]["validation_loss"] for p in members}
+
+    strangers = [swarm.spawn_peer([]), swarm.spawn_peer(["--swarm-secret", str(other)])]
+    for peer in strangers:
+        peer.wait_ready(120)
+    stranger_ids = {p.peer_id for p in strangers}
+    assert status(strangers[0])["membership"]["mode"] == "open"
+    # a stranger dialling every protocol directly, holding the other secret: refused by each
+    dialer = asyncio.run(dial_every_protocol(host.ready["maddrs"][0], [p.peer_id for p in members], other))
+    stranger_ids.add(dialer)
+
+    def refused_everywhere() -> bool:
+        # the open stranger tries state (it is behind), rounds and expert calls; the one with another secret
+        # reads no member's record (they do not carry its secret's tag), so it never tries: it trains alone
+        return all({strangers[0].peer_id, dialer} <= set(status(p)["membership"]["refused_peers"])
+                   for p in members)
+
+    wait_for(refused_everywhere, 90, "every member to refuse the strangers", 0.5)
+    wait_for(lambda: failed_calls(strangers[0]) > 0, 60, "the open stranger to try the experts", 0.5)
+    rounds_before = {p.peer_id: status(p)["training"]["rounds_ok"] for p in members}
+    wait_for(lambda: all(status(p)["training"]["rounds_ok"] >= rounds_before[p.peer_id] + 3 for p in members),
+             90, "members to average 3 more rounds with the strangers around", 0.5)
+    assert not status(strangers[1])["peers"]  # another secret: it sees no member
+
+    for peer in strangers:
+        report = status(peer)["training"]
+        assert report["rounds_ok"] == 0 and report["state_syncs"] == 0, report
+        assert good_calls(peer) == 0
+    for peer in members:
+        seen = status(peer)
+        assert not stranger_ids & {p["peer_id"] for p in seen["peers"]}  # their records are not members'
+        assert set(seen["training"]["group_sizes"]) <= {"2", "3"}, seen["training"]  # never 4 or 5 members
+        refused = seen["membership"]["streams_refused"]
+        assert sum(refused.values()) > 0 and seen["membership"]["streams_accepted"] > 0, refused
+        log = Path(peer.log_path).read_text()
+        for stranger in stranger_ids:
+            assert f"Refused a stream from {stranger}" in log or stranger == strangers[1].peer_id
+            assert not any("Sent training state" in line and stranger in line for line in log.splitlines())
+        report = seen["training"]
+        assert math.isfinite(report["loss"]) and report["validation_loss"] < first_validation[peer.peer_id], report
+    for code in swarm.stop():
+        assert code == 0
