@@ -9,7 +9,8 @@ a Prometheus histogram.
 
 Snapshot keys read (all optional; a missing value gives a family without samples, never a made-up zero):
 ``peer_id``, ``run_name``, ``software_version``, ``uptime``, ``peers`` (absent when ``dht_error`` is set),
-``records_dropped`` (reason -> count),
+``records_dropped`` (reason -> count), ``membership`` (``streams_refused``: reason -> count,
+``streams_accepted``, ``streams_open``, ``pending_bytes``),
 ``training`` (see ``TrainingReport.as_dict``) and ``experts`` (``calls``, ``errors``, ``latency``, reported
 once this daemon hosts or calls experts; until then those families hold zeros, which is what happened).
 """
@@ -143,6 +144,22 @@ class StatusCollector(Collector):
             if (value := _number(counts, reason)) is not None:
                 dropped.add_metric([str(reason)], value)
         yield dropped
+        yield from self._membership(_mapping(status, "membership"))
+
+    def _membership(self, m: Mapping[str, Any] | None) -> Iterator[Metric]:
+        refused = CounterMetricFamily("peerd_streams_refused", "Inbound streams refused before any payload was "
+                                      "read (not a member, bad proof, busy, malformed handshake), by reason.",
+                                      labels=["reason"])
+        counts = _mapping(m, "streams_refused") or {}
+        for reason in counts:
+            if (value := _number(counts, reason)) is not None:
+                refused.add_metric([str(reason)], value)
+        yield refused
+        yield _counter("peerd_streams_accepted", "Inbound streams that passed the membership handshake.",
+                       _number(m, "streams_accepted"))
+        yield _gauge("peerd_streams_open", "Inbound peerd streams open now.", _number(m, "streams_open"))
+        yield _gauge("peerd_streams_pending_bytes", "Bytes of inbound frames being received now (bounded by "
+                     "swarm.streams).", _number(m, "pending_bytes"))
 
     def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
         for name, key, doc in _TRAINING_GAUGES:

@@ -46,6 +46,11 @@ def format_status(data: dict[str, Any]) -> str:
         f"uptime:    {data.get('uptime', 0):.1f}s",
         "addresses: " + ("\n           ".join(data.get("maddrs") or ["-"])),
     ]
+    membership = data.get("membership") or {}
+    if membership:
+        refused = membership.get("streams_refused") or {}
+        detail = f", refused {sum(refused.values())} streams ({', '.join(f'{k}: {v}' for k, v in refused.items())})"
+        lines.append(f"swarm:     {membership.get('mode')}" + (detail if refused else ""))
     if data.get("dht_error"):
         lines.append(f"warning:   {data['dht_error']}")
     lines += ["", f"peers seen ({len(data.get('peers', []))}):", format_peers(data.get("peers", []))]

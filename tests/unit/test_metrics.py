@@ -87,6 +87,16 @@ def test_metrics_parse_carry_the_prefix_and_reflect_the_snapshot() -> None:
     assert samples[("peerd_process_resident_memory_bytes", (("process", "daemon"),))] > 10 * 2**20
 
 
+def test_membership_refusals_are_counted_by_reason() -> None:
+    membership = {"mode": "private (swarm secret)", "streams_open": 2, "streams_accepted": 40, "pending_bytes": 512,
+                  "streams_refused": {"HANDSHAKE_NOT_A_MEMBER": 3, "busy": 1}}
+    _, samples = parse(DaemonMetrics().render(fake_status(membership=membership)))
+    assert samples[("peerd_streams_refused_total", (("reason", "HANDSHAKE_NOT_A_MEMBER"),))] == 3
+    assert samples[("peerd_streams_refused_total", (("reason", "busy"),))] == 1
+    assert samples[("peerd_streams_accepted_total", ())] == 40
+    assert samples[("peerd_streams_open", ())] == 2 and samples[("peerd_streams_pending_bytes", ())] == 512
+
+
 def test_missing_values_leave_families_without_samples_instead_of_zeros() -> None:
     families, samples = parse(DaemonMetrics().render(fake_status(None, dht_error="lookup timed out")))
     for name in ("peerd_training_step", "peerd_training_loss", "peerd_swarm_peers",
