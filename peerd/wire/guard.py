@@ -86,6 +86,8 @@ class StreamGuard:
                 await handler(info, reader, writer)
             finally:
                 serving_budget.reset(token)
+        except ProtocolViolation as e:  # the handler's own refusals are logged by it; this is a limit or a bug
+            logger.info("Dropped a %s stream from %s: %s", name, peer, e)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
             logger.debug("Stream %s from %s broke: %r", name, peer, e)
         finally:
