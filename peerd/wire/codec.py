@@ -226,6 +226,9 @@ def decode(
     shape = struct.unpack_from(f"<{ndim}Q", buf, HEADER.size)
     if math.prod(shape) != numel:
         raise _fail(peer_id, f"numel {numel} does not match shape {shape}")
+    # An empty tensor's other dimensions are unbounded by numel; torch computes strides from them in int64.
+    if math.prod(max(d, 1) for d in shape) >= 2**63:
+        raise _fail(peer_id, f"shape {shape} overflows int64 strides")
     wanted = expected_shape if expected_shape is not None else (None if out is None else tuple(out.shape))
     if wanted is not None and shape != tuple(wanted):
         raise _fail(peer_id, f"shape {shape} differs from the expected {tuple(wanted)}")
