@@ -21,7 +21,10 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from google.protobuf.message import DecodeError, Message
+from hivemind.proto import crypto_pb2
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -38,6 +41,7 @@ from peerd.proto import peerd_experts_pb2 as epb
 from peerd.proto import peerd_membership_pb2 as mpb
 from peerd.proto import peerd_training_pb2 as tpb
 from peerd.swarm.records import parse_record
+from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.training.progress import ProgressRecord
 from peerd.training.state import pack_state, unpack_state
 from peerd.wire import codec, handshake
@@ -526,5 +530,54 @@ HANDSHAKE = Target(
     (ProtocolViolation, MembershipError),
 )
 
+
+# --- signed DHT envelopes (peerd.swarm.signing), opened before any record above is parsed ---------------------
+
+
+def _identity() -> bytes:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    der = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    return bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString())
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+SIGNERS = [RecordSigner(_identity(), membership) for membership in MEMBERSHIPS[:2]]
+VERIFIERS = [RecordVerifier(membership) for membership in MEMBERSHIPS]
+RECORD_KEY = "peerd-fuzz.peers"
+KEY_ID = key_id(RECORD_KEY)
+
+
+def _envelope(signer: RecordSigner, payload: dict[str, Any], expiration: float) -> tuple[str, object, float]:
+    payload = {**payload, "peer_id": signer.peer_id}
+    return signer.peer_id, signer.envelope(RECORD_KEY, signer.peer_id, payload, expiration), expiration
+
+
+def _signed_record(case: tuple[int, tuple[object, object, object]]) -> object:
+    which, (subkey, value, expiration) = case
+    if not isinstance(subkey, str) or not isinstance(expiration, float):
+        return None  # the DHT validator refuses these before opening (a non-text subkey) or hivemind's types do
+    opened = VERIFIERS[which].open(KEY_ID, subkey, value, expiration)
+    assert isinstance(opened.payload, dict) and opened.payload.get("peer_id") == opened.signer
+    return opened
+
+
+SIGNED_SEEDS = st.builds(
+    _envelope, st.sampled_from(SIGNERS), st.dictionaries(st.text(max_size=8), json_values, max_size=3),
+    st.floats(0, 2**40, allow_nan=False),
+)
+SIGNED_RECORD = Target(
+    "signed-record",
+    st.tuples(st.integers(0, len(VERIFIERS) - 1),
+              SIGNED_SEEDS | st.tuples(st.text(max_size=60) | values, values | record_like(
+                  {"p": b"{}", "k": b"", "s": b"", "t": b"", "e": 1.0}), st.floats())),
+    _signed_record,
+    (ProtocolViolation,),
+)
+
 TARGETS = [FRAMES, AVERAGING, STATE_HEADER, EXPERT_REQUEST, CODEC, PEER_RECORD, PROGRESS_RECORD, MATCHMAKING,
-           EXPERT_RECORD, STATE_BLOB, HANDSHAKE]
+           EXPERT_RECORD, STATE_BLOB, HANDSHAKE, SIGNED_RECORD]

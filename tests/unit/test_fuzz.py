@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
 from peerd.config import CodecConfig
-from peerd.errors import CodecError, StateError
+from peerd.errors import CodecError, ProtocolViolation, StateError
 from peerd.training.state import unpack_state
 from peerd.wire import codec
 from tests.unit import fuzz_targets
@@ -46,6 +46,16 @@ def test_codec_refuses_empty_shapes_whose_strides_overflow(dims: tuple[int, ...]
     struct.pack_into(f"<{len(dims)}Q", payload, codec.HEADER.size, *dims)
     with pytest.raises(CodecError, match="overflows"):
         codec.decode(bytes(payload), peer_id="peer")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.xfail(strict=True, raises=RecursionError,
+                   reason="peerd/swarm/signing.py: json.loads of a deeply nested payload raises RecursionError")
+@pytest.mark.parametrize("nested", [b"[" * 60000, b"[" * 5000 + b"]" * 5000])
+def test_signed_record_with_a_deeply_nested_payload_is_refused(nested: bytes) -> None:
+    value = {"p": nested, "k": b"k", "s": b"s", "t": b"", "e": 1.0}
+    with pytest.raises(ProtocolViolation):
+        fuzz_targets.VERIFIERS[0].open(fuzz_targets.KEY_ID, fuzz_targets.PID, value, 1.0)
 
 
 @pytest.mark.timeout(10)
