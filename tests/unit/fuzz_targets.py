@@ -212,8 +212,9 @@ EXPERT_UID = "ffn.0.0"
 _BACKENDS = cast(dict[str, ExpertBackend], {EXPERT_UID: SimpleNamespace(hidden_dim=HIDDEN)})
 
 
-def _expert_call(case: tuple[bytes, list[bytes]]) -> object:
-    header, payloads = case
+def _expert_call(case: tuple[bytes, bytes]) -> object:
+    """What the host does with a call: header, its checks, payload frames read at the announced sizes, decode."""
+    header, stream = case
     epb.ExpertResponse.FromString(header)  # the caller's side reads these
     request = epb.ExpertRequest.FromString(header)
     problem = check_header(request, _BACKENDS, MAX_TOKENS) or oversized_payload(request, MAX_TOKENS)
@@ -222,6 +223,8 @@ def _expert_call(case: tuple[bytes, list[bytes]]) -> object:
         return problem
     # what the host reads into memory for an accepted header is bounded by the shape it accepted
     assert all(size <= max_payload_bytes(request.num_tokens, HIDDEN) for size in request.payload_bytes)
+    reader = _reader(stream)
+    payloads = [run_async(read_frame(reader, size, PID, "expert payload")) for size in request.payload_bytes]
     shape = (request.num_tokens, HIDDEN)
     tensors = [codec.decode(p, peer_id=PID, expected_shape=shape).float() for p in payloads]
     assert all(t.shape == shape and bool(torch.isfinite(t).all()) for t in tensors)
@@ -234,7 +237,7 @@ def _expert_payload(tokens: int, lossless: bool) -> bytes:
 
 
 @st.composite
-def expert_calls(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
+def expert_calls(draw: st.DrawFn) -> tuple[bytes, bytes]:
     tokens = draw(st.integers(1, 8) | st.sampled_from(BOUNDARY_INTS).filter(lambda v: v < 2**32))
     backward = draw(st.booleans())
     call_id = draw(st.sampled_from([0, 0, 1]) | u64)
@@ -249,14 +252,14 @@ def expert_calls(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
         hidden_dim=draw(st.sampled_from([HIDDEN]) | u32), payload_bytes=declared, lossless=draw(st.booleans()),
         call_id=call_id,
     ).SerializeToString()
-    return draw(mutated(st.just(header), max_ops=2)), payloads
+    return draw(mutated(st.just(header), max_ops=2)), b"".join(map(frame, payloads))
 
 
 EXPERT_REQUEST = Target(
     "expert-request",
-    expert_calls() | st.tuples(st.binary(max_size=128), st.lists(st.binary(max_size=128), max_size=2)),
+    expert_calls() | st.tuples(st.binary(max_size=128), st.binary(max_size=256)),
     _expert_call,
-    (DecodeError, CodecError),
+    (DecodeError, CodecError, ProtocolViolation),
 )
 
 
