@@ -133,7 +133,7 @@ class RecordVerifier:
                           f"{expiration}, signed for {signed_expiration}", claimed)
         try:
             payload = json.loads(data)
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting fits in MAX_PAYLOAD
             payload = None
         if not isinstance(payload, dict):
             raise _reject("malformed", f"value under {subkey[:140]!r}: payload is not a JSON object", claimed)
