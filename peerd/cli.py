@@ -203,12 +203,16 @@ def config_show(**options: Any) -> None:
 @click.option("--duration", type=float, default=120.0, show_default=True,
               help="Seconds to train before stopping (when the config trains).")
 @click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between progress tables.")
-def swarm(n_peers: int, config_path: Path, timeout: float, duration: float, interval: float) -> None:
+@click.option("--open", "open_swarm", is_flag=True,
+              help="Run an open swarm; by default the local peers share a fresh swarm secret.")
+def swarm(n_peers: int, config_path: Path, timeout: float, duration: float, interval: float,
+          open_swarm: bool) -> None:
     """Start N local peers on loopback, show the swarm, train together (if the config trains), stop them."""
     from peerd.demo import run_local_swarm
 
     try:
-        sys.exit(run_local_swarm(n_peers, config_path, timeout=timeout, duration=duration, interval=interval))
+        sys.exit(run_local_swarm(n_peers, config_path, timeout=timeout, duration=duration, interval=interval,
+                                 private=not open_swarm))
     except PeerdError as e:
         _fail(e)
 

@@ -11,6 +11,7 @@ from peerd.config import load_config
 from peerd.errors import DaemonError, PeerdError
 from peerd.launcher import LocalSwarm, PeerProcess
 from peerd.tables import format_table
+from peerd.wire.membership import generate_secret
 
 
 def swarm_table(peers: list[PeerProcess]) -> str:
@@ -44,14 +45,20 @@ def training_table(peers: list[PeerProcess]) -> tuple[str, list[dict[str, Any]]]
 
 
 def run_local_swarm(n_peers: int, config_path: Path, timeout: float = 60.0, duration: float = 120.0,
-                    interval: float = 10.0) -> int:
-    """Start, wait for a full mesh in the DHT, print it; if the config trains, watch it train; stop cleanly."""
+                    interval: float = 10.0, private: bool = True) -> int:
+    """Start, wait for a full mesh in the DHT, print it; if the config trains, watch it train; stop cleanly.
+    ``private``: unless the config names a swarm secret, the peers share a fresh one (in the log directory)."""
     if not config_path.is_file():
         raise DaemonError(f"config {config_path} not found; run from the repository root or pass --config")
     config = load_config(config_path)
     trains = config.training.enabled
     with LocalSwarm(config_path) as swarm:
         print(f"Starting {n_peers} peers from {config_path} (logs in {swarm.log_dir})", flush=True)
+        if private and config.swarm.secret_path is None and config.swarm.allowlist_path is None:
+            secret = swarm.log_dir / "swarm.secret"
+            generate_secret(secret, overwrite=True)
+            swarm.extra_args += ["--swarm-secret", str(secret)]
+            print(f"Private swarm: the peers share a new secret, {secret} (--open for an open swarm)", flush=True)
         started = time.monotonic()
         try:
             for index in range(n_peers):

@@ -38,7 +38,7 @@ def test_centered_clip_without_outliers_is_the_weighted_mean() -> None:
     weights = [1.0, 2.0, 1.0, 1.5]
     expected = (torch.tensor(weights)[:, None] * rows).sum(0) / sum(weights)
     out = torch.empty(4096)
-    result = centered_clip(rows.clone(), weights, out, radius=0.75, iterations=3)
+    result = centered_clip(rows.clone(), weights, out, radius=AveragingConfig().clip_radius, iterations=3)
     assert result.kept == [1.0] * 4
     assert torch.allclose(out, expected, atol=1e-5)
 
@@ -59,7 +59,7 @@ def test_a_majority_in_exact_agreement_is_the_answer() -> None:
     value = torch.randn(2048)
     rows = torch.stack([value, value, value, 1e6 * torch.randn(2048)])
     out = torch.empty(2048)
-    result = centered_clip(rows, [1.0] * 4, out, radius=0.75, iterations=3)
+    result = centered_clip(rows, [1.0] * 4, out, radius=AveragingConfig().clip_radius, iterations=3)
     assert torch.equal(out, value)
     assert result.kept == [1.0, 1.0, 1.0, 0.0]
 
