@@ -29,7 +29,14 @@ from peerd.experts.streams import IDLE_SECONDS
 from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
-from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, wait_for_close, write_frames
+from peerd.wire.frames import (
+    MAX_HEADER_BYTES,
+    read_frame,
+    read_frame_or_eof,
+    skip_frame,
+    wait_for_close,
+    write_frames,
+)
 from peerd.wire.guard import StreamGuard
 
 __all__ = ["HANDLER_NAME", "ExpertServer"]
@@ -216,7 +223,7 @@ class ExpertServer:
         if problem is not None:
             if oversized is None:  # read what the caller sends anyway, so that it reliably gets our answer
                 for size in sizes:
-                    await asyncio.wait_for(read_frame(reader, size, peer, "refused payload"), DRAIN_TIMEOUT)
+                    await asyncio.wait_for(skip_frame(reader, size, peer, "refused payload"), DRAIN_TIMEOUT)
             return problem
         payloads: list[bytes | bytearray] = []
         for size in sizes:

@@ -77,7 +77,9 @@ async def read_frame_or_eof(reader: asyncio.StreamReader, limit: int, peer_id: s
     return await _read(reader, limit, peer_id, what, eof_ok=True)
 
 
-async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str, eof_ok: bool) -> bytes | None:
+async def _read_length(
+    reader: asyncio.StreamReader, limit: int, peer_id: str, what: str, eof_ok: bool
+) -> int | None:
     try:
         length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "little")
     except asyncio.IncompleteReadError as e:
@@ -88,6 +90,13 @@ async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: st
         raise ProtocolViolation(
             f"{peer_id} announced a {length}-byte {what}, above the limit of {limit} bytes", peer_id=peer_id
         )
+    return length
+
+
+async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str, eof_ok: bool) -> bytes | None:
+    length = await _read_length(reader, limit, peer_id, what, eof_ok)
+    if length is None:
+        return None
     try:
         with reserve_frame(length, peer_id, what):
             return await reader.readexactly(length)
@@ -95,6 +104,19 @@ async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: st
         raise ProtocolViolation(
             f"{peer_id} sent {len(e.partial)} of the {length} bytes of {what}", peer_id=peer_id
         ) from e
+
+
+async def skip_frame(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> None:
+    """Reads one frame of at most ``limit`` bytes and drops it piece by piece, never holding more than 64 KiB:
+    for payloads of a refused request, read only so that the refusal reaches the sender."""
+    length = await _read_length(reader, limit, peer_id, what, eof_ok=False) or 0
+    left = length
+    while left:
+        piece = await reader.read(min(left, 1 << 16))
+        if not piece:
+            raise ProtocolViolation(f"{peer_id} sent {length - left} of the {length} bytes of {what}",
+                                    peer_id=peer_id)
+        left -= len(piece)
 
 
 async def write_message(writer: asyncio.StreamWriter, message: Message) -> int:

@@ -18,7 +18,7 @@ from peerd.errors import ConfigError, MembershipError, ProtocolViolation
 from peerd.proto import peerd_membership_pb2 as pb
 from peerd.training.local import LocalModel
 from peerd.wire import handshake
-from peerd.wire.frames import read_frame, write_frame
+from peerd.wire.frames import read_frame, skip_frame, write_frame
 from peerd.wire.limits import ByteBudget, PeerSlots, serving_budget
 from peerd.wire.membership import Membership, generate_secret, load_allowlist, load_secret
 
@@ -211,3 +211,19 @@ def test_a_step_that_would_make_the_model_non_finite_is_not_taken(optimizer: str
     assert all(torch.isfinite(t).all() for t in local.state_tensors())
     assert local.apply(torch.full((local.numel,), 0.01)) is None  # and it still trains
     assert not torch.equal(local.params[0].detach(), before[0])
+
+
+def test_a_refused_payload_is_skipped_without_being_held() -> None:
+    async def body() -> None:
+        reader = asyncio.StreamReader(limit=1 << 16)
+        reader.feed_data((3 << 20).to_bytes(8, "little") + bytes(3 << 20) + (5).to_bytes(8, "little") + b"after")
+        reader.feed_eof()
+        await skip_frame(reader, 4 << 20, ALICE, "refused payload")
+        assert await read_frame(reader, 16, ALICE, "next") == b"after"  # the stream is still in step
+        reader = asyncio.StreamReader()
+        reader.feed_data((100).to_bytes(8, "little") + bytes(10))
+        reader.feed_eof()
+        with pytest.raises(ProtocolViolation, match="10 of the 100"):
+            await skip_frame(reader, 1000, ALICE, "refused payload")
+
+    asyncio.run(body())
