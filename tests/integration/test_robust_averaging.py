@@ -114,4 +114,6 @@ def test_the_robust_default_keeps_honest_peers_on_course_and_mean_does_not(
 
     plain = train(tmp_path / "mean", "mean", attacked=True)
     loss = validation_loss(plain[0])
+    print(f"validation loss at step {STEPS}: attack-free {reference:.6g}, attacked with centered_clip "
+          f"{losses[0]:.6g} (attacker kept {note['kept']:.2g}), attacked with mean {loss}")
     assert loss is not None and not (abs(loss / reference - 1) <= 0.10), f"mean {loss} vs attack-free {reference:.6g}: no harm done?"
