@@ -28,7 +28,10 @@ from tests.integration.transports import LISTEN
 pytestmark = pytest.mark.integration
 
 OPEN = Membership()
-CONFIG = AveragingConfig(round_timeout=4.0, join_timeout=2.0, codec=CodecConfig(min_compress_numel=0))
+# These tests check the weighted mean and its fault handling; robust rules have tests of their own
+# (tests/unit/test_aggregation.py, tests/integration/test_robust_averaging.py).
+CONFIG = AveragingConfig(round_timeout=4.0, join_timeout=2.0, codec=CodecConfig(min_compress_numel=0),
+                         aggregation="mean")
 # For tests whose rounds never wait for round_timeout: on a loaded machine an honest member's contribution may
 # take longer than CONFIG's 4 s, and its exclusion would then fail a test about something else.
 PATIENT = CONFIG.model_copy(update={"round_timeout": 30.0})
