@@ -53,14 +53,14 @@ def failed_calls(peer: PeerProcess) -> int:
     return sum(int(info.get("forward", {}).get("errors", 0)) for info in client["experts"].values())
 
 
-async def dial_every_protocol(bootstrap: str, members: list[str], secret_path: Path) -> str:
-    """Joins the DHT through ``bootstrap`` and opens each peerd protocol to each member with another swarm's
-    secret; every open must be refused. Returns this dialer's peer id."""
+async def dial_every_protocol(bootstrap: str, host: str, members: list[str], secret_path: Path) -> str:
+    """Joins the DHT through ``bootstrap`` and opens each peerd protocol to each member that serves it (expert
+    calls: the host) with another swarm's secret; every open must be refused. Returns this dialer's peer id."""
     p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[bootstrap])
     try:
         guard = StreamGuard(p2p, Membership(load_secret(secret_path)), StreamLimits())
         for member in members:
-            for protocol in (AVERAGING, STATE, EXPERTS):
+            for protocol in (AVERAGING, STATE, EXPERTS) if member == host else (AVERAGING, STATE):
                 with pytest.raises(MembershipError, match="proof of the swarm secret failed"):
                     await guard.open(member, protocol)
         return guard.peer_id
@@ -78,7 +78,8 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
     for peer in members:
         peer.wait_ready(120)
     assert status(host)["membership"]["mode"] == "private (swarm secret)"
-    wait_for(lambda: all(status(p)["training"]["step"] >= 4 for p in members), 120, "members to reach step 4", 0.5)
+    wait_for(lambda: all((status(p)["training"]["validation_step"] or 0) >= 5 for p in members), 120,
+             "members to validate at step 5", 0.5)
     first_validation = {p.peer_id: status(p)["training"]["validation_loss"] for p in members}
 
     strangers = [swarm.spawn_peer([]), swarm.spawn_peer(["--swarm-secret", str(other)])]
@@ -87,7 +88,8 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
     stranger_ids = {p.peer_id for p in strangers}
     assert status(strangers[0])["membership"]["mode"] == "open"
     # a stranger dialling every protocol directly, holding the other secret: refused by each
-    dialer = asyncio.run(dial_every_protocol(host.ready["maddrs"][0], [p.peer_id for p in members], other))
+    dialer = asyncio.run(dial_every_protocol(host.ready["maddrs"][0], host.peer_id, [p.peer_id for p in members],
+                                             other))
     stranger_ids.add(dialer)
 
     def refused_everywhere() -> bool:

@@ -110,7 +110,9 @@ def frame(data: bytes) -> bytes:
 
 
 def _reader(data: bytes) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
+    # bound to the fuzzing loop explicitly: outside a running loop, StreamReader() asks for the current one,
+    # which an earlier test's asyncio.run() may have unset
+    reader = asyncio.StreamReader(loop=_loop())
     reader.feed_data(data)
     reader.feed_eof()
     return reader
@@ -119,13 +121,17 @@ def _reader(data: bytes) -> asyncio.StreamReader:
 _LOOP: asyncio.AbstractEventLoop | None = None
 
 
-def run_async(coro: Any, timeout: float = 5.0) -> Any:
-    """Runs ``coro`` on one event loop kept for all cases (a loop per case costs more than most decoders);
-    a coroutine still waiting after ``timeout`` with all its input and EOF delivered is a hang."""
+def _loop() -> asyncio.AbstractEventLoop:
     global _LOOP
     if _LOOP is None or _LOOP.is_closed():
         _LOOP = asyncio.new_event_loop()
-    return _LOOP.run_until_complete(asyncio.wait_for(coro, timeout))
+    return _LOOP
+
+
+def run_async(coro: Any, timeout: float = 5.0) -> Any:
+    """Runs ``coro`` on one event loop kept for all cases (a loop per case costs more than most decoders);
+    a coroutine still waiting after ``timeout`` with all its input and EOF delivered is a hang."""
+    return _loop().run_until_complete(asyncio.wait_for(coro, timeout))
 
 
 def _frames(case: tuple[int, int, bytes]) -> object:
