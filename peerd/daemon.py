@@ -67,7 +67,7 @@ class Daemon:
                            "call its experts and download its training state (set swarm.secret_path: README, "
                            "'Private swarms')")
         else:
-            logger.info("Private swarm: only members are served (%s)", self.membership.describe())
+            logger.info("Membership: %s; only members are served", self.membership.describe())
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
