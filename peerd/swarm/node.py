@@ -1,8 +1,7 @@
 """This peer's place in the swarm: hivemind's DHT (Kademlia over libp2p/p2pd) plus the peer-record API.
 
-hivemind runs the DHT in a child process that owns p2pd. We start that child in its own process group so
-that a Ctrl-C in the terminal reaches only the daemon, which can then announce ``leaving`` through a still
-working DHT before shutting it down; and that group kills itself if the daemon itself dies abruptly.
+hivemind runs the DHT in a child process that owns p2pd (``process.py`` detaches it and ties it to our
+lifetime); every value stored is signed and every value read is verified (``signing.py``).
 """
 
 from __future__ import annotations
@@ -10,12 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
-import select
 import shutil
-import signal
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,42 +24,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
 from peerd.swarm.identity import generate_identity
+from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator, child_drop_counts
 from peerd.wire.membership import Membership
 
 logger = logging.getLogger(__name__)
-
-class _IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type information
-    """hivemind's DHT process, detached from the terminal's process group and tied to our lifetime."""
-
-    def run(self) -> None:
-        os.setpgid(0, 0)
-        _die_with_parent()
-        super().run()
-
-
-def _die_with_parent() -> None:
-    """Kills this process group (the DHT child and its p2pd) as soon as the daemon that forked it is gone.
-
-    A graceful daemon shuts the DHT down itself; this covers SIGKILL/OOM of the daemon, which would otherwise
-    leave the DHT child and p2pd running (hivemind's child catches SIGTERM, so PDEATHSIG alone is not enough).
-    """
-    parent = os.getppid()
-    try:
-        parent_fd = os.pidfd_open(parent)
-    except (AttributeError, OSError):
-        return  # kernel without pidfd: the daemon's own shutdown path still stops the DHT
-    if os.getppid() != parent:  # parent died before we got the fd
-        os.killpg(0, signal.SIGKILL)
-
-    def watch() -> None:
-        select.select([parent_fd], [], [])  # readable once the parent process has exited
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="peerd-parent-watch", daemon=True).start()
-
 
 @dataclass(frozen=True)
 class SeenPeer:
@@ -168,7 +134,7 @@ class SwarmNode:
         }
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
-        dht = _IsolatedDHT(initial_peers=list(config.initial_peers), start=False,
+        dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False,
                            record_validators=[SignedRecordValidator(membership)], **kwargs)
         dht.run_in_background(await_ready=False)
         try:

@@ -1,0 +1,47 @@
+"""The DHT child process's ties to the daemon.
+
+hivemind runs the DHT in a child process that owns p2pd. We start that child in its own process group so
+that a Ctrl-C in the terminal reaches only the daemon, which can then announce ``leaving`` through a still
+working DHT before shutting it down; and that group kills itself if the daemon itself dies abruptly.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+
+from hivemind.dht import DHT
+
+__all__ = ["IsolatedDHT"]
+
+
+class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type information
+    """hivemind's DHT process, detached from the terminal's process group and tied to our lifetime."""
+
+    def run(self) -> None:
+        os.setpgid(0, 0)
+        _die_with_parent()
+        super().run()
+
+
+def _die_with_parent() -> None:
+    """Kills this process group (the DHT child and its p2pd) as soon as the daemon that forked it is gone.
+
+    A graceful daemon shuts the DHT down itself; this covers SIGKILL/OOM of the daemon, which would otherwise
+    leave the DHT child and p2pd running (hivemind's child catches SIGTERM, so PDEATHSIG alone is not enough).
+    """
+    parent = os.getppid()
+    try:
+        parent_fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        return  # kernel without pidfd: the daemon's own shutdown path still stops the DHT
+    if os.getppid() != parent:  # parent died before we got the fd
+        os.killpg(0, signal.SIGKILL)
+
+    def watch() -> None:
+        select.select([parent_fd], [], [])  # readable once the parent process has exited
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="peerd-parent-watch", daemon=True).start()
