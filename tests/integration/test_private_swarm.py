@@ -15,10 +15,11 @@ from hivemind.p2p import P2P
 
 from peerd.averaging.allreduce import HANDLER_NAME as AVERAGING
 from peerd.config import StreamLimits
-from peerd.errors import MembershipError
+from peerd.errors import MembershipError, StateError
 from peerd.experts.server import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.training.sync import HANDLER_NAME as STATE
+from peerd.training.sync import download_state
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, generate_secret, load_secret
 from tests.integration.test_experts import CONFIG, HIDDEN
@@ -53,16 +54,24 @@ def failed_calls(peer: PeerProcess) -> int:
     return sum(int(info.get("forward", {}).get("errors", 0)) for info in client["experts"].values())
 
 
-async def dial_every_protocol(bootstrap: str, host: str, members: list[str], secret_path: Path) -> str:
+async def dial_every_protocol(bootstrap: str, host: str, members: list[str], secrets: tuple[Path, Path],
+                              fingerprint: str) -> str:
     """Joins the DHT through ``bootstrap`` and opens each peerd protocol to each member that serves it (expert
-    calls: the host) with another swarm's secret; every open must be refused. Returns this dialer's peer id."""
+    calls: the host) with another swarm's secret (``secrets[1]``): every open must be refused, and a state
+    download fails. With the swarm's own secret (``secrets[0]``) the same download gets the model: what the
+    handshake keeps from strangers. Returns this dialer's peer id."""
     p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[bootstrap])
     try:
-        guard = StreamGuard(p2p, Membership(load_secret(secret_path)), StreamLimits())
+        guard = StreamGuard(p2p, Membership(load_secret(secrets[1])), StreamLimits())
         for member in members:
             for protocol in (AVERAGING, STATE, EXPERTS) if member == host else (AVERAGING, STATE):
                 with pytest.raises(MembershipError, match="proof of the swarm secret failed"):
                     await guard.open(member, protocol)
+        with pytest.raises(StateError, match="proof of the swarm secret failed"):
+            await download_state(guard, host, fingerprint, 1 << 30, timeout=30)
+        holder = StreamGuard(p2p, Membership(load_secret(secrets[0])), StreamLimits())
+        step, blob = await download_state(holder, host, fingerprint, 1 << 30, timeout=30)
+        assert step >= 5 and len(blob) > 10_000
         return guard.peer_id
     finally:
         await p2p.shutdown()
@@ -89,7 +98,7 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
     assert status(strangers[0])["membership"]["mode"] == "open"
     # a stranger dialling every protocol directly, holding the other secret: refused by each
     dialer = asyncio.run(dial_every_protocol(host.ready["maddrs"][0], host.peer_id, [p.peer_id for p in members],
-                                             other))
+                                             (secret, other), status(host)["training"]["fingerprint"]))
     stranger_ids.add(dialer)
 
     def refused_everywhere() -> bool:
@@ -118,7 +127,8 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
         log = Path(peer.log_path).read_text()
         for stranger in stranger_ids:
             assert f"Refused a stream from {stranger}" in log or stranger == strangers[1].peer_id
-            assert not any("Sent training state" in line and stranger in line for line in log.splitlines())
+            if stranger != dialer:  # the dialer got the state once, holding the secret
+                assert not any("Sent training state" in line and stranger in line for line in log.splitlines())
         report = seen["training"]
         assert math.isfinite(report["loss"]) and report["validation_loss"] < first_validation[peer.peer_id], report
     for code in swarm.stop():
