@@ -231,25 +231,27 @@ class SpanReducer:
         start, end = self.chunks[index]
         if self.robust is not None:
             with self._sum_lock:
-                if index in self._finalizing:
-                    raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was combined", peer_id=sender)
+                self._check_open(index, sender)
                 row = self.robust.row(index, sender, end - start)
             # only this sender writes its row, and the chunk is not combined before it counts as included
             codec.decode(data, peer_id=sender, expected_shape=(end - start,), max_numel=end - start, out=row)
             with self._sum_lock:
-                if index in self._finalizing:  # excluded meanwhile (e.g. timed out): its row is not read
-                    raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was combined", peer_id=sender)
+                self._check_open(index, sender)  # excluded meanwhile (e.g. timed out): its row is not read
                 self.included[index].add(sender)
             return
         chunk = scratch[: end - start]
         codec.decode(data, peer_id=sender, expected_shape=(end - start,), max_numel=end - start, out=chunk)
         with self._sum_lock:  # sum, weight and membership change together, or not at all
-            if index in self._finalizing:
-                raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was averaged", peer_id=sender)
+            self._check_open(index, sender)
             self._start(index)
             self.out[start:end].add_(chunk, alpha=weight)
             self.weights[index] += weight
             self.included[index].add(sender)
+
+    def _check_open(self, index: int, sender: str) -> None:
+        """Under ``_sum_lock``: ProtocolViolation if chunk ``index`` is already being averaged."""
+        if index in self._finalizing:
+            raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was averaged", peer_id=sender)
 
     def _added(self, done: asyncio.Future[None], sender: str, index: int) -> None:
         if done.cancelled():
