@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from peerd.config.base import Section
+from peerd.config.diloco import DilocoConfig
 
 
 class CodecConfig(Section):
@@ -131,7 +132,24 @@ class TrainingConfig(Section):
 
     enabled: bool = Field(default=False, description="Train the task with the swarm.")
     task: TaskConfig = Field(default_factory=TaskConfig)
-    optimizer: Literal["sgd", "adam", "adamw"] = Field(default="adam", description="Same on every peer.")
+    mode: Literal["sync", "diloco"] = Field(
+        default="sync",
+        description="'sync': gradients are averaged at every global step (LAN, small models). 'diloco': "
+        "each peer takes training.diloco.inner_steps steps alone, then the phase's parameter change is "
+        "averaged and applied by an outer optimizer (internet links; README, 'Choosing a mode').",
+    )
+    diloco: DilocoConfig = Field(default_factory=DilocoConfig)
+    device: str = Field(
+        default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d+|mps)$",
+        description="Where the model and batches live: 'auto' (CUDA when present, else CPU), 'cpu', 'cuda', "
+        "'cuda:N' or 'mps'. What crosses the wire is staged through reused CPU buffers.",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="'bf16': forward and loss under bfloat16 autocast (weights stay fp32)."
+    )
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        default="adam", description="Same on every peer; in diloco mode the inner optimizer (default adamw)."
+    )
     lr: float = Field(default=3e-3, gt=0, allow_inf_nan=False, description="Learning rate.")
     momentum: float = Field(default=0.0, ge=0, lt=1, description="SGD momentum.")
     weight_decay: float = Field(default=0.0, ge=0, description="Weight decay.")
@@ -175,6 +193,15 @@ class TrainingConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
+        if self.mode == "diloco" and "optimizer" not in self.model_fields_set:
+            # DiLoCo's inner optimizer is AdamW; set without validate_assignment's re-run of this validator
+            self.__dict__["optimizer"] = "adamw"
+        if self.mode == "diloco" and self.samples_per_step is not None:
+            raise ValueError(
+                "training.samples_per_step is sync mode's lockstep; in diloco mode use "
+                "training.diloco.phase_end: lockstep (each peer takes exactly inner_steps steps): unset "
+                "training.samples_per_step"
+            )
         if self.resume and self.checkpoint.directory is None:
             raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
         if self.progress_ttl <= self.progress_period:

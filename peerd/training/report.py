@@ -23,6 +23,9 @@ ROUND_HISTORY = 20
 class TrainingReport:
     fingerprint: str
     parameters: int
+    mode: str = "sync"
+    device: str = "cpu"
+    precision: str = "fp32"
     state: str = "starting"
     step: int = 0
     loss: float | None = None  # exponential moving average of micro-batch losses
@@ -36,6 +39,12 @@ class TrainingReport:
     group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
     steps_refused: int = 0  # updates not applied: they would have made the model non-finite
+    # diloco: inner steps taken in the current phase, and whether the last phase's outer round is in flight
+    inner_steps: int = 0
+    outer_pending: bool = False
+    # seconds in forward, backward and (diloco) inner optimizer steps, and since the first of them
+    compute_seconds: float = 0.0
+    _first_compute: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
@@ -66,6 +75,16 @@ class TrainingReport:
         busy = sum(s for s, _ in self._window)
         self.samples_per_second = sum(n for _, n in self._window) / busy if busy > 0 else 0.0
         self._note_validation()
+
+    def record_compute(self, seconds: float) -> None:
+        """Adds time spent computing (forward, backward, inner step): the numerator of utilisation."""
+        if self._first_compute is None:
+            self._first_compute = time.monotonic() - seconds
+        self.compute_seconds += seconds
+
+    @property
+    def wall_seconds(self) -> float:
+        return time.monotonic() - self._first_compute if self._first_compute is not None else 0.0
 
     def record_round(self, report: RoundReport, samples: int | None = None) -> None:
         """``samples``: what this peer contributed to the round (its weight in the average)."""
@@ -130,8 +149,18 @@ class TrainingReport:
         return {
             "fingerprint": self.fingerprint,
             "parameters": self.parameters,
+            "mode": self.mode,
+            "device": self.device,
+            "precision": self.precision,
             "state": self.state,
             "step": self.step,
+            # diloco: step is the outer step (the phase); inner_steps counts this phase's local steps so far
+            "phase": self.step if self.mode == "diloco" else None,
+            "inner_steps": self.inner_steps,
+            "outer_pending": self.outer_pending,
+            "compute_seconds": round(self.compute_seconds, 3),
+            "wall_seconds": round(self.wall_seconds, 3),
+            "utilisation": round(self.compute_seconds / self.wall_seconds, 4) if self.wall_seconds > 0 else None,
             "loss": self.loss,
             "validation_loss": self.validation_loss,
             "validation_step": self.validation_step,

@@ -147,8 +147,10 @@ class CollaborativeTrainer:
         started = time.monotonic()
         batch = next(self._batches)
         loss, samples = await asyncio.to_thread(self.local.forward_backward, batch)
+        elapsed = time.monotonic() - started
         self.samples += samples
-        self.report.record_loss(loss, samples, time.monotonic() - started)
+        self.report.record_compute(elapsed)
+        self.report.record_loss(loss, samples, elapsed)
         if self.lockstep is not None and self.samples > self.lockstep:
             raise ConfigError(
                 f"the task yielded a micro-batch of {samples} samples, not its batch_size ({self.task.batch_size}), "

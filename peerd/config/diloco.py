@@ -1,0 +1,36 @@
+"""The ``training.diloco`` section: local SGD with an outer optimizer (DiLoCo), for slow links."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from peerd.config.base import Section
+
+
+class DilocoConfig(Section):
+    """``training.mode: diloco``: each peer takes inner steps alone; a phase's parameter change (the
+    pseudo-gradient) is averaged 8-bit with error feedback and applied by an outer Nesterov SGD."""
+
+    inner_steps: int = Field(
+        default=100, ge=1,
+        description="H: inner optimizer steps (one micro-batch each) per peer per phase. A phase ends when the "
+        "trainers in it have taken H steps each on average (phase_end: swarm) or when each has taken exactly "
+        "H (phase_end: lockstep).",
+    )
+    phase_end: Literal["swarm", "lockstep"] = Field(
+        default="swarm",
+        description="'swarm': a phase ends for everyone when the trainers at it have together taken H inner "
+        "steps per trainer (progress records); faster peers take more steps than slower ones, nobody waits, "
+        "and each pseudo-gradient is weighted by its samples. 'lockstep': each peer takes exactly H steps and "
+        "waits (at most training.lockstep_timeout) for the others: equal samples, reproducible runs.",
+    )
+    outer_lr: float = Field(default=0.7, gt=0, allow_inf_nan=False, description="Outer SGD learning rate.")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    nesterov: bool = Field(default=True, description="Nesterov momentum for the outer SGD.")
+    overlap: bool = Field(
+        default=True,
+        description="Average a phase's pseudo-gradients while the next phase computes, folding the outer "
+        "update in when it lands (one phase delayed); false: stop computing until the round is done.",
+    )
