@@ -1,13 +1,18 @@
-"""This peer's side of the model: its optimizer, the flat buffers the all-reduce reads and writes, the
-error-feedback residuals, and the optimizer step. No networking and no timing: the trainer decides when each of
-these runs (all of them in worker threads, never on the event loop)."""
+"""This peer's side of the model: its device, its optimizer, the flat buffers the all-reduce reads and writes,
+the error-feedback residuals, the optimizer step, and the model's state as named tensors. No networking and no
+timing: the trainer decides when each of these runs (all of them in worker threads, never on the event loop)."""
 
 from __future__ import annotations
 
 import torch
 
 from peerd.config import TrainingConfig
+from peerd.training.device import autocast, flat_views, host_buffer, resolve_device, to_device
 from peerd.training.tasks import Batch, Task
+
+# Slots the optimizers peerd builds keep per parameter; state averaging averages the float ones.
+AVERAGED_SLOTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+Template = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -19,76 +24,121 @@ def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.opti
     return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
 
 
+def init_slots(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the per-parameter slots torch would create at the first step, with the values it would give
+    them, so a peer's state has the same tensors (names, layout) before its first step as after it: a joiner
+    at step 0 and a donor at step 500 describe their states alike."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                state.setdefault("step", torch.tensor(0.0))
+                state.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
+                state.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+            elif isinstance(optimizer, torch.optim.SGD) and group["momentum"]:
+                # torch starts the buffer as the first gradient: momentum * 0 + grad is the same thing
+                state.setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
 class LocalModel:
     def __init__(self, config: TrainingConfig, task: Task, error_feedback: bool) -> None:
         """``error_feedback``: keep the residuals the all-reduce carries from one round into the next."""
         self.task = task
-        self.model = task.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.device = resolve_device(config.device)
+        self.precision = config.precision
+        self.model = task.model.to(self.device)
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [name for name, _ in named]
+        self.params = [p for _, p in named]
         self.optimizer = make_optimizer(config, self.model)
+        init_slots(self.optimizer)
         self.numel = sum(p.numel() for p in self.params)
         self.residual = torch.zeros(self.numel) if error_feedback else None
         self.average_residual = torch.zeros(self.numel) if error_feedback else None
         # Reused every step: a fresh model-sized tensor per step would pay a page fault per 4 KiB each time.
-        self._gradient = torch.empty(self.numel)
-        self.averaged = torch.empty(self.numel)  # the all-reduce's `out`
-        self._before_step = torch.empty(self.numel)  # the parameters before the last step, to undo it
+        self._gradient = host_buffer(self.numel, self.device)
+        self.averaged = host_buffer(self.numel, self.device)  # the all-reduce's `out`
+        self._on_device = torch.empty(self.numel, device=self.device) if self.device.type != "cpu" else None
+        self._before_step = torch.empty(self.numel, device=self.device)  # parameters before a step, to undo it
+
+    # --- computing ------------------------------------------------------------------------------------------
 
     def forward_backward(self, batch: Batch) -> tuple[float, int]:
         samples = self.task.samples_in(batch)
-        loss = self.task.loss(self.model, batch)
-        # Gradients accumulate as sums over samples; flat_mean_grad divides by the sample count.
+        with autocast(self.device, self.precision):
+            loss = self.task.loss(self.model, to_device(batch, self.device))
+        # Gradients accumulate as sums over samples; flat_mean_grad and inner_step divide by the sample count.
         torch.autograd.backward(loss * samples)
         return float(loss.detach()), samples
 
+    def validation_loss(self) -> float:
+        with autocast(self.device, self.precision):
+            return self.task.validation_loss(self.model)
+
     def flat_mean_grad(self, samples: float) -> torch.Tensor:
-        """The accumulated gradient divided by ``samples``, flattened into the reused gradient buffer."""
-        offset = 0
-        for p in self.params:
-            part = self._gradient[offset : offset + p.numel()]
+        """The accumulated gradient divided by ``samples``, flattened into the reused (CPU) gradient buffer."""
+        for p, part in flat_views(self.params, self._gradient):
             if p.grad is None:
                 part.zero_()
             else:
-                part.copy_(p.grad.reshape(-1)).div_(samples)
-            offset += p.numel()
+                part.copy_(p.grad).div_(samples)
         return self._gradient
 
     def apply(self, flat: torch.Tensor) -> str | None:
-        """One optimizer step with ``flat`` (a gradient laid out as flat_mean_grad's) as the gradient; None
-        if applied, else why it was not. A step that would leave a parameter or optimizer slot NaN/Inf is
-        undone: a peer with non-finite weights trains on them forever and shares them with every joiner."""
+        """One optimizer step with ``flat`` (a CPU gradient laid out as flat_mean_grad's) as the gradient; None
+        if applied, else why it was not."""
         if not torch.isfinite(flat).all():
             self.drop_gradients()
             return "the averaged gradient holds NaN/Inf"
-        offset = 0
-        for p in self.params:
-            self._before_step[offset : offset + p.numel()] = p.data.reshape(-1)
-            # a view, not a copy: zero_grad(set_to_none) below drops it before the buffer is reused
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        gradient = self.to_device(flat)
+        for p, part in flat_views(self.params, gradient):
+            # a view, not a copy: zero_grad(set_to_none) drops it before the buffer is reused
+            p.grad = part
+        return self._guarded_step(self._slots_at_risk([gradient]))
+
+    def inner_step(self, samples: int) -> str | None:
+        """diloco: one local optimizer step with the gradient accumulated over ``samples`` samples."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        for g in grads:
+            g.div_(samples)
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.drop_gradients()
+            return "the local gradient holds NaN/Inf"
+        return self._guarded_step(self._slots_at_risk(grads))
+
+    def _guarded_step(self, slots_at_risk: bool) -> str | None:
+        """Steps the optimizer with the gradients in place. A step that would leave a parameter or optimizer
+        slot NaN/Inf is undone: a peer with non-finite weights trains on them forever and shares them."""
+        for p, saved in flat_views(self.params, self._before_step):
+            saved.copy_(p.data)
         slots = {id(p): {k: v.clone() for k, v in self.optimizer.state.get(p, {}).items()
-                         if isinstance(v, torch.Tensor)} for p in self.params} if self._slots_at_risk(flat) else None
+                         if isinstance(v, torch.Tensor)} for p in self.params} if slots_at_risk else None
         self.optimizer.step()
         self.drop_gradients()
         if all(bool(torch.isfinite(t).all()) for t in self.state_tensors()):
             return None
-        offset = 0
+        for p, saved in flat_views(self.params, self._before_step):
+            p.data.copy_(saved)
         for p in self.params:
-            p.data.copy_(self._before_step[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        for p in self.params:
-            saved = slots.get(id(p)) if slots is not None else None
-            if saved:
-                self.optimizer.state[p] = saved
-            else:  # no slots yet, or not copied (not at risk): they restart from nothing
+            saved_slots = slots.get(id(p)) if slots is not None else None
+            if saved_slots:
+                self.optimizer.state[p] = saved_slots
+            else:  # not copied (not at risk): they restart from nothing
                 self.optimizer.state.pop(p, None)
+        init_slots(self.optimizer)
         return "the step would have made parameters or optimizer state non-finite; undone"
 
     @staticmethod
-    def _slots_at_risk(flat: torch.Tensor) -> bool:
+    def _slots_at_risk(grads: list[torch.Tensor]) -> bool:
         """Whether squares of this gradient could overflow Adam's second moment (float32 max is 3.4e38), the
         one way a finite gradient reaches the optimizer's slots as Inf; only then are the slots copied."""
-        return bool(flat.abs().max() > 1e18) if flat.numel() else False
+        return any(bool(g.abs().max() > 1e18) for g in grads if g.numel())
+
+    def to_device(self, flat: torch.Tensor) -> torch.Tensor:
+        """A CPU flat tensor on the model's device, through one reused device buffer (or itself on the CPU)."""
+        if self._on_device is None:
+            return flat
+        return self._on_device.copy_(flat, non_blocking=flat.is_pinned())
 
     def drop_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -99,20 +149,48 @@ class LocalModel:
             if carried is not None:
                 carried.zero_()
 
+    # --- state ------------------------------------------------------------------------------------------------
+
     def state_tensors(self) -> list[torch.Tensor]:
-        """Parameters, then the optimizer's per-parameter slots: what state averaging averages."""
+        """Parameters, then the optimizer's float per-parameter slots: what state averaging averages."""
         tensors = [p.data for p in self.params]
         for p in self.params:
             slot = self.optimizer.state.get(p, {})
-            tensors += [slot[k] for k in ("exp_avg", "exp_avg_sq", "momentum_buffer") if k in slot]
+            tensors += [slot[k] for k in AVERAGED_SLOTS if k in slot]
         return tensors
 
     def flat_state(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in self.state_tensors()])
+        return torch.cat([t.reshape(-1) for t in self.state_tensors()]).cpu()
 
     def load_flat_state(self, flat: torch.Tensor) -> None:
         """Copies ``flat`` (laid out as flat_state's) back into the parameters and optimizer slots."""
-        offset = 0
-        for t in self.state_tensors():
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, part in flat_views(self.state_tensors(), flat):
+            t.copy_(part)
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """The live tensors a training state holds, by stable name: ``model/<state_dict key>`` and
+        ``inner/<parameter index>/<slot>`` (the same on every peer with the same fingerprint)."""
+        tensors = {"model/" + name: t for name, t in self.model.state_dict().items()}
+        for i, p in enumerate(self.params):
+            for slot, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"inner/{i}/{slot}"] = value
+        return tensors
+
+    def template(self) -> Template:
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.named_state().items()}
+
+    def export_state(self, parameters: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """CPU copies of :meth:`named_state`; ``parameters`` (flat, laid out as the parameters) replaces the
+        model's own parameter values (diloco serves its shared parameters, not its mid-phase ones)."""
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.named_state().items()}
+        if parameters is not None:
+            for name, (_, part) in zip(self.param_names, flat_views(self.params, parameters), strict=True):
+                tensors["model/" + name] = part.detach().to("cpu", copy=True).contiguous()
+        return tensors
+
+    def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copies a state already checked against :meth:`template` into the live tensors."""
+        with torch.no_grad():
+            for name, live in self.named_state().items():
+                live.copy_(tensors[name])

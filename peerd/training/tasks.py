@@ -64,6 +64,7 @@ from pydantic import BaseModel, ValidationError
 
 from peerd.config import TaskConfig
 from peerd.errors import ConfigError
+from peerd.training.device import to_device
 
 if TYPE_CHECKING:
     from peerd.experts import ExpertClient
@@ -127,13 +128,14 @@ class Task(ABC):
     def validation_loss(self, model: torch.nn.Module) -> float:
         """Sample-weighted mean loss over :meth:`validation_batches`, in eval mode and without autograd."""
         was_training = model.training
+        device = next(model.parameters()).device
         model.eval()
         total, count = 0.0, 0
         try:
             with torch.no_grad():
                 for batch in self.validation_batches():
                     n = self.samples_in(batch)
-                    total += float(self.loss(model, batch)) * n
+                    total += float(self.loss(model, to_device(batch, device))) * n
                     count += n
         finally:
             model.train(was_training)

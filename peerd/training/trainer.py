@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import Iterator
 
+import torch
+
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import Matchmaker
@@ -26,7 +28,8 @@ from peerd.swarm.node import SwarmNode
 from peerd.training import lockstep
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.local import LocalModel
-from peerd.training.progress import ProgressTracker
+from peerd.training.outer import OuterState
+from peerd.training.progress import ProgressTracker, SwarmProgress
 from peerd.training.report import TrainingReport
 from peerd.training.state import pack_state, unpack_state
 from peerd.training.sync import StateServer, download_state
@@ -57,12 +60,19 @@ class CollaborativeTrainer:
         """``shard_index``: the data shard ``task`` reads, published so lockstep groups can be ordered by it."""
         self.config = config
         self.lockstep = config.samples_per_step
+        if config.mode == "diloco" and config.diloco.phase_end == "lockstep":
+            self.lockstep = config.diloco.inner_steps * task.batch_size  # each peer's exact share of a phase
         if self.lockstep is not None:
             lockstep.micro_batches_per_step(self.lockstep, task.batch_size)
         self.task = task
         self.swarm = swarm
         self.guard = guard
         self.local = LocalModel(config, task, error_feedback=averaging.codec.error_feedback)
+        # diloco: the shared parameters and outer optimizer; the previous phase's round while it is in flight
+        self.outer = OuterState(config.diloco, self.local) if config.mode == "diloco" else None
+        self._pending: asyncio.Future[None] | None = None
+        # diloco: a peer one phase ahead has just ended the phase we are in; only further ahead means behind
+        self._ahead_ok = 1 if self.outer is not None else 0
         self.prefix = f"{run_name}.{task.fingerprint}"
         self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl, shard_index)
         self.matchmaker = Matchmaker(swarm, averaging)
@@ -71,7 +81,8 @@ class CollaborativeTrainer:
         self.state_server = StateServer(guard, task.fingerprint, self._serve_state)
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
-        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel)
+        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel, mode=config.mode,
+                                     device=str(self.local.device), precision=config.precision)
         self.step = 0
         self.samples = 0
         self._step_lock = asyncio.Lock()
@@ -114,7 +125,7 @@ class CollaborativeTrainer:
                     self.report.state = "training"
                     await self._micro_step()
                 view = self.progress.view
-                behind = view.max_step > self.step and self.config.sync_state_on_join
+                behind = view.max_step > self.step + self._ahead_ok and self.config.sync_state_on_join
                 # in lockstep a failed sync goes on to this step's round: its share is already complete
                 if behind and (await self._sync_from_swarm() or self.lockstep is None):
                     continue
@@ -124,12 +135,23 @@ class CollaborativeTrainer:
                         if not stop.is_set():
                             await self._global_step(expected)
                     continue
-                others = sum(p.samples for peer, p in view.peers.items()
-                             if p.step == self.step and peer != self.swarm.peer_id)
-                if others + self.samples >= self.config.target_batch_size:
+                if self._batch_complete(view):
                     await self._global_step(expected=max(1, len(view.peers)))
         finally:
             publisher.cancel()
+            if self._pending is not None:
+                self._pending.cancel()
+
+    def _batch_complete(self, view: SwarmProgress) -> bool:
+        """Sync: the swarm has target_batch_size samples at this step. Diloco: the trainers at this phase have
+        taken inner_steps micro-batches each on average (faster peers more, slower ones fewer: nobody waits)."""
+        others = [p for peer, p in view.peers.items() if p.step == self.step and peer != self.swarm.peer_id]
+        samples = self.samples + sum(p.samples for p in others)
+        if self.outer is None:
+            return samples >= self.config.target_batch_size
+        if view.max_step > self.step:  # someone already ended this phase: end it too, so we meet in its round
+            return True
+        return samples >= self.config.diloco.inner_steps * self.task.batch_size * (1 + len(others))
 
     async def _wait_for_peers(self, stop: asyncio.Event) -> None:
         wanted = self.config.wait_for_peers
@@ -144,10 +166,14 @@ class CollaborativeTrainer:
             await self._sync_from_swarm()
 
     async def _micro_step(self) -> None:
-        started = time.monotonic()
         batch = next(self._batches)
-        loss, samples = await asyncio.to_thread(self.local.forward_backward, batch)
-        elapsed = time.monotonic() - started
+        async with self._step_lock:  # diloco: a landing outer update must not move the weights mid-step
+            started = time.monotonic()
+            loss, samples, refused = await asyncio.to_thread(self._compute, batch)
+            elapsed = time.monotonic() - started
+        if refused is not None:
+            logger.error("Step %d, inner step %d: not applied: %s", self.step, self.report.inner_steps, refused)
+            self.report.steps_refused += 1
         self.samples += samples
         self.report.record_compute(elapsed)
         self.report.record_loss(loss, samples, elapsed)
@@ -158,6 +184,15 @@ class CollaborativeTrainer:
                 f"micro-batches of batch_size samples: unset {lockstep.OPTION} for this task",
                 field=lockstep.OPTION,
             )
+
+    def _compute(self, batch: Batch) -> tuple[float, int, str | None]:
+        """Forward and backward; in diloco mode also the inner optimizer step (None or why it was refused)."""
+        loss, samples = self.local.forward_backward(batch)
+        if self.outer is None:
+            return loss, samples, None
+        refused = self.local.inner_step(samples)
+        self.report.inner_steps += 1
+        return loss, samples, refused
 
     async def _wait_in_lockstep(self, samples_per_step: int, stop: asyncio.Event) -> int:
         """Waits (bounded) until every trainer at this step, or finishing the previous one, has its share;
@@ -178,7 +213,10 @@ class CollaborativeTrainer:
                 )
                 break
             await _wait_unless_stopped(stop, LOCKSTEP_POLL)
-        return lockstep.ready_at(view, me, self.step, samples_per_step)
+        ready = lockstep.ready_at(view, me, self.step, samples_per_step)
+        if self.outer is not None:  # peers one phase ahead just ended this one: members move on as they register
+            ready += sum(1 for peer, p in view.peers.items() if peer != me and p.step == self.step + 1)
+        return ready
 
     async def _ordered(self, group: Group) -> Group:
         """In lockstep mode, the group's members in shard order (the same ranks in every run); else as is."""
@@ -194,6 +232,9 @@ class CollaborativeTrainer:
         """``expected``: trainers currently active with our fingerprint, this one included. While others are
         active we always try to average with them (the leader waits for them up to the matchmaking window)
         rather than step alone; a solo step happens only when no one else is training or no group formed."""
+        if self.outer is not None:
+            await self._outer_step(expected)
+            return
         self.report.state = "averaging"
         await self._publish()  # others see at once that the batch is complete and join the round
         weight = float(self.samples)
@@ -229,35 +270,106 @@ class CollaborativeTrainer:
         self.report.step = self.step
         await self._publish()
         if self.config.state_averaging_every and self.step % self.config.state_averaging_every == 0:
-            await self._average_state()
+            await self._average_state(self.step)
         if self.step % self.config.validation_every == 0:
             await self._validate()
         if self.checkpointer is not None and self.step % self.config.checkpoint.every_steps == 0:
-            blob = await self._pack()
-            path = await asyncio.to_thread(self.checkpointer.save, blob, self.step)
-            logger.info("Checkpoint %s", path)
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        assert self.checkpointer is not None
+        blob = await self._pack()
+        path = await asyncio.to_thread(self.checkpointer.save, blob, self.step)
+        logger.info("Checkpoint %s", path)
+
+    # --- diloco: outer rounds -----------------------------------------------------------------------------------
+
+    async def _outer_step(self, expected: int) -> None:
+        """Ends this phase: its pseudo-gradient goes to an outer round (in the background with overlap, the
+        next phase computing meanwhile; at most one round in flight) and the phase counter moves on."""
+        assert self.outer is not None
+        outer = self.outer
+        await self._land_pending()
+        if self.checkpointer is not None and self.step and self.step % self.config.checkpoint.every_steps == 0:
+            await self._checkpoint()  # between rounds: the shared parameters and the anchor agree
+        self.report.state = "averaging"
+        await self._publish()  # the others see at once that this peer's share is complete
+        phase, weight = self.step, float(self.samples)
+        async with self._step_lock:
+            pseudo = await asyncio.to_thread(outer.pseudo_gradient)
+            if self.config.diloco.overlap:
+                await asyncio.to_thread(outer.restart)
+            self.step, self.samples, self.report.inner_steps = phase + 1, 0, 0
+        self.report.step = self.step
+        outer_round = self._outer_round(phase, pseudo, weight, expected)
+        if self.config.diloco.overlap:
+            self._pending = asyncio.ensure_future(outer_round)
+            self.report.outer_pending = True
+        else:
+            await outer_round
+        await self._publish()
+        if self.step % self.config.validation_every == 0:
+            await self._validate()
+
+    async def _outer_round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: int) -> None:
+        assert self.outer is not None
+        try:
+            if expected < 2:
+                raise GroupFailed("no other peer is at this phase")
+            group = await self._ordered(await self.matchmaker.form_group(f"{self.prefix}.outer.{phase}", expected))
+            averaged, round_report = await self.reducer.all_reduce(
+                group, pseudo, weight, self.local.residual, average_residual=self.local.average_residual,
+                out=self.outer.averaged,
+            )
+            self.report.record_round(round_report, samples=int(weight))
+        except PeerdError as e:  # no group, or the DHT did not answer in time: this phase's update goes alone
+            logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Phase %d without averaging: %s", phase, e)
+            averaged = pseudo
+            self.report.rounds_solo += 1
+        async with self._step_lock:
+            refused = await asyncio.to_thread(self.outer.step, averaged)
+        if refused is not None:
+            logger.error("Phase %d: outer update not applied: %s", phase, refused)
+            self.report.steps_refused += 1
+        every = self.config.state_averaging_every
+        if every and (phase + 1) % every == 0:
+            await self._average_state(phase + 1)
+
+    async def _land_pending(self) -> None:
+        """Waits for the previous phase's round (bounded by matchmaking and round timeouts) to be folded in."""
+        if self._pending is None:
+            return
+        try:
+            await self._pending
+        finally:
+            self._pending, self.report.outer_pending = None, False
 
     async def _validate(self) -> None:
-        self.report.validation_loss = await asyncio.to_thread(self.task.validation_loss, self.local.model)
+        self.report.validation_loss = await asyncio.to_thread(self.local.validation_loss)
         self.report.validation_step = self.step
         logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
     # --- state: averaging, serving, syncing -------------------------------------------------------------------
 
-    async def _average_state(self) -> None:
-        key = f"{self.prefix}.state.{self.step}"
+    async def _average_state(self, step: int) -> None:
+        """Averages, losslessly, what members must agree on: sync mode's parameters and optimizer slots, or
+        diloco's shared parameters and outer momentum (inner optimizers stay each peer's own)."""
+        key = f"{self.prefix}.state.{step}"
         expected = len(self.progress.view.peers)
         if expected < 2:
             return
         try:
             group = await self._ordered(await self.matchmaker.form_group(key, expected))
             async with self._step_lock:
-                flat = self.local.flat_state()
+                flat = self.outer.flat() if self.outer is not None else self.local.flat_state()
                 averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
                 self.report.record_traffic("state", state_round.bytes_sent, state_round.bytes_received)
-                self.local.load_flat_state(averaged)
+                if self.outer is not None:
+                    self.outer.load_flat(averaged)
+                else:
+                    self.local.load_flat_state(averaged)
         except PeerdError as e:
-            logger.info("State averaging at step %d skipped: %s", self.step, e)
+            logger.info("State averaging at step %d skipped: %s", step, e)
 
     async def _pack(self) -> bytes:
         async with self._step_lock:

@@ -1,0 +1,75 @@
+"""Where a peer computes: resolving ``training.device``, moving batches there, and autocast for bf16.
+
+Only the model and its batches live on the device. Everything that crosses the wire (gradients, pseudo-
+gradients, averages) is staged through CPU buffers that are allocated once and reused, pinned when the device
+is a CUDA GPU so copies to and from it can run asynchronously.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from peerd.errors import ConfigError
+
+FIELD = "training.device"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> the first CUDA GPU if torch sees one, else the CPU; anything else must be available."""
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ConfigError(
+                f"{FIELD} is {name!r}, but torch sees no CUDA GPU (torch {torch.__version__}, {build}): use "
+                f"'auto' or 'cpu', or install a CUDA build of torch on a machine with a GPU",
+                field=FIELD,
+            )
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{FIELD} is {name!r}, but torch sees {torch.cuda.device_count()} CUDA GPU(s): use cuda:0.."
+                f"{torch.cuda.device_count() - 1}",
+                field=FIELD,
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{FIELD} is 'mps', but this machine or torch build has no MPS backend: use 'cpu'",
+                          field=FIELD)
+    return device
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (also inside tuples, lists and dicts) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=batch.is_pinned())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """bfloat16 autocast for ``precision == 'bf16'`` (on CPU too), else nothing."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    """A reusable float32 CPU buffer for wire payloads; pinned when copies go to or from a CUDA device."""
+    return torch.empty(numel, pin_memory=device.type == "cuda")
+
+
+def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs each tensor with its slice of ``flat`` (laid out one after the other), shaped like it."""
+    offset = 0
+    for t in tensors:
+        yield t, flat[offset : offset + t.numel()].view_as(t)
+        offset += t.numel()

@@ -1,0 +1,114 @@
+"""DiLoCo's outer side: the shared parameters every member agrees on, the outer optimizer that moves them,
+and the anchor each phase's pseudo-gradient is measured from.
+
+A phase starts from the shared parameters theta. After it, this peer's pseudo-gradient is ``anchor - local``
+(how far its inner steps moved it); the group averages them, and the outer optimizer (torch's SGD with
+Nesterov momentum, on one flat tensor) moves theta by the average. Every member of the round gets the same
+bit-identical average and holds the same theta and momentum, so all of them end on the same theta.
+
+With overlap the next phase starts at once from where the last one ended (x), and the anchor becomes x; when
+the average lands, :meth:`OuterState.fold` moves both the local parameters and the anchor by ``theta - x``.
+The local progress made in the meantime is kept (as in streaming/eager-update DiLoCo) and is counted in the
+next pseudo-gradient, which is measured from the moved anchor. Without overlap, fold happens before any
+inner step, so the local parameters simply become theta.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peerd.config.diloco import DilocoConfig
+from peerd.training.device import flat_views, host_buffer
+from peerd.training.local import LocalModel
+
+SHARED, MOMENTUM = "outer/shared", "outer/momentum"
+
+
+class OuterState:
+    def __init__(self, config: DilocoConfig, local: LocalModel) -> None:
+        self.local = local
+        device = local.device
+        with torch.no_grad():
+            self.shared = torch.cat([p.detach().reshape(-1) for p in local.params]).to(device)
+        self.anchor = self.shared.clone()
+        self.optimizer = torch.optim.SGD(
+            [self.shared], lr=config.outer_lr, momentum=config.outer_momentum,
+            nesterov=config.nesterov and config.outer_momentum > 0,
+        )
+        if config.outer_momentum > 0:  # created now so a state has the same tensors before and after round 1
+            self.optimizer.state[self.shared]["momentum_buffer"] = torch.zeros_like(self.shared)
+        self.pseudo = host_buffer(local.numel, device)  # what this peer sends
+        self.averaged = host_buffer(local.numel, device)  # what the group sends back
+
+    @property
+    def momentum(self) -> torch.Tensor | None:
+        buffer = self.optimizer.state.get(self.shared, {}).get("momentum_buffer")
+        return buffer if isinstance(buffer, torch.Tensor) else None
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """``anchor - local`` in the reused CPU buffer; with ``overlap`` the caller then calls :meth:`restart`."""
+        params = self.local.params
+        with torch.no_grad():
+            for (p, anchor), (_, out) in zip(flat_views(params, self.anchor), flat_views(params, self.pseudo),
+                                             strict=True):
+                out.copy_(anchor - p)
+        return self.pseudo
+
+    def restart(self) -> None:
+        """Overlap: the next phase is measured from where the local parameters are now."""
+        with torch.no_grad():
+            for p, part in flat_views(self.local.params, self.anchor):
+                part.copy_(p.detach())
+
+    def step(self, averaged: torch.Tensor) -> str | None:
+        """Moves the shared parameters by the group's average pseudo-gradient, then folds; None if done, else
+        why not (a non-finite average or result is refused: theta, momentum and the model stay as they were)."""
+        if not bool(torch.isfinite(averaged).all()):
+            return "the averaged pseudo-gradient holds NaN/Inf"
+        before = self.shared.clone()
+        momentum = self.momentum
+        saved_momentum = momentum.clone() if momentum is not None else None
+        self.shared.grad = self.local.to_device(averaged)
+        self.optimizer.step()
+        self.shared.grad = None
+        if not bool(torch.isfinite(self.shared).all()) or (momentum is not None and not bool(torch.isfinite(momentum).all())):
+            self.shared.copy_(before)
+            if momentum is not None and saved_momentum is not None:
+                momentum.copy_(saved_momentum)
+            return "the outer step would have made the shared parameters non-finite; undone"
+        self.fold()
+        return None
+
+    def fold(self) -> None:
+        """Moves the local parameters and the anchor by ``shared - anchor``: the anchor becomes ``shared``."""
+        with torch.no_grad():
+            for p, (_, shared), (_, anchor) in zip(self.local.params, flat_views(self.local.params, self.shared),
+                                                  flat_views(self.local.params, self.anchor), strict=True):
+                p.add_(shared - anchor)
+            self.anchor.copy_(self.shared)
+
+    def reset_to_local(self) -> None:
+        """After a state was loaded into the model: the shared parameters and the anchor are the model's."""
+        with torch.no_grad():
+            for p, part in flat_views(self.local.params, self.shared):
+                part.copy_(p.detach())
+            self.anchor.copy_(self.shared)
+
+    def flat(self) -> torch.Tensor:
+        """Shared parameters then momentum, on the CPU: what diloco's state averaging averages."""
+        parts = [self.shared] + ([self.momentum] if self.momentum is not None else [])
+        return torch.cat(parts).cpu()
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Loads :meth:`flat`'s layout and folds: the local parameters move with the shared ones."""
+        parts = [self.shared] + ([self.momentum] if self.momentum is not None else [])
+        with torch.no_grad():
+            for t, part in flat_views(parts, flat):
+                t.copy_(part)
+        self.fold()
+
+    def named(self) -> dict[str, torch.Tensor]:
+        tensors = {SHARED: self.shared}
+        if self.momentum is not None:
+            tensors[MOMENTUM] = self.momentum
+        return tensors
