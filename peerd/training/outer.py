@@ -6,11 +6,11 @@ A phase starts from the shared parameters theta. After it, this peer's pseudo-gr
 Nesterov momentum, on one flat tensor) moves theta by the average. Every member of the round gets the same
 bit-identical average and holds the same theta and momentum, so all of them end on the same theta.
 
-With overlap the next phase starts at once from where the last one ended (x), and the anchor becomes x; when
-the average lands, :meth:`OuterState.fold` moves both the local parameters and the anchor by ``theta - x``.
-The local progress made in the meantime is kept (as in streaming/eager-update DiLoCo) and is counted in the
-next pseudo-gradient, which is measured from the moved anchor. Without overlap, fold happens before any
-inner step, so the local parameters simply become theta.
+At the end of a phase the anchor becomes where the phase ended (x). With overlap the next phase starts from
+there at once; when the average lands, :meth:`OuterState.fold` moves both the local parameters and the anchor
+by ``theta - x``. The local progress made in the meantime is kept (as in streaming/eager-update DiLoCo) and
+counts in the next pseudo-gradient, measured from the moved anchor. Without overlap the fold comes before
+any inner step, so the local parameters simply become theta.
 """
 
 from __future__ import annotations
@@ -45,20 +45,16 @@ class OuterState:
         buffer = self.optimizer.state.get(self.shared, {}).get("momentum_buffer")
         return buffer if isinstance(buffer, torch.Tensor) else None
 
-    def pseudo_gradient(self) -> torch.Tensor:
-        """``anchor - local`` in the reused CPU buffer; with ``overlap`` the caller then calls :meth:`restart`."""
+    def end_phase(self) -> torch.Tensor:
+        """The phase's pseudo-gradient ``anchor - local``, in the reused CPU buffer; the anchor moves to the
+        local parameters, where the next phase starts (at once with overlap, else after :meth:`step`)."""
         params = self.local.params
         with torch.no_grad():
             for (p, anchor), (_, out) in zip(flat_views(params, self.anchor), flat_views(params, self.pseudo),
                                              strict=True):
                 out.copy_(anchor - p)
+                anchor.copy_(p)
         return self.pseudo
-
-    def restart(self) -> None:
-        """Overlap: the next phase is measured from where the local parameters are now."""
-        with torch.no_grad():
-            for p, part in flat_views(self.local.params, self.anchor):
-                part.copy_(p.detach())
 
     def step(self, averaged: torch.Tensor) -> str | None:
         """Moves the shared parameters by the group's average pseudo-gradient, then folds; None if done, else

@@ -296,9 +296,7 @@ class CollaborativeTrainer:
         await self._publish()  # the others see at once that this peer's share is complete
         phase, weight = self.step, float(self.samples)
         async with self._step_lock:
-            pseudo = await asyncio.to_thread(outer.pseudo_gradient)
-            if self.config.diloco.overlap:
-                await asyncio.to_thread(outer.restart)
+            pseudo = await asyncio.to_thread(outer.end_phase)
             self.step, self.samples, self.report.inner_steps = phase + 1, 0, 0
         self.report.step = self.step
         outer_round = self._outer_round(phase, pseudo, weight, expected)

@@ -1,0 +1,169 @@
+"""DiLoCo's local pieces: the outer step and its fold, eager optimizer slots, devices and bf16, named state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerd.config import TaskConfig, TrainingConfig
+from peerd.config.diloco import DilocoConfig
+from peerd.errors import ConfigError
+from peerd.training.device import resolve_device
+from peerd.training.local import LocalModel, init_slots
+from peerd.training.outer import MOMENTUM, SHARED, OuterState
+from peerd.training.tasks import build_task
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def local_model(**training: object) -> LocalModel:
+    task = build_task(TaskConfig(name="synthetic", options={"dim": 8, "out_dim": 2}), shard_index=0)
+    return LocalModel(TrainingConfig(mode="diloco", lr=0.05, **training), task, error_feedback=True)
+
+
+def flat_params(local: LocalModel) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in local.params])
+
+
+def inner_steps(local: LocalModel, n: int) -> None:
+    batches = local.task.train_batches()
+    for _ in range(n):
+        _, samples = local.forward_backward(next(batches))
+        assert local.inner_step(samples) is None
+
+
+def test_diloco_defaults_to_adamw_inner_steps_and_sync_keeps_adam() -> None:
+    assert TrainingConfig(mode="diloco").optimizer == "adamw"
+    assert TrainingConfig(mode="diloco", optimizer="sgd").optimizer == "sgd"
+    assert TrainingConfig().optimizer == "adam"
+    with pytest.raises(ValueError, match="phase_end: lockstep"):
+        TrainingConfig(mode="diloco", samples_per_step=32)
+
+
+def test_without_overlap_outer_sgd_with_lr_1_and_no_momentum_lands_on_the_local_parameters() -> None:
+    local = local_model()
+    outer = OuterState(DilocoConfig(outer_lr=1.0, outer_momentum=0.0), local)
+    start = flat_params(local)
+    inner_steps(local, 5)
+    end = flat_params(local)
+    assert not torch.equal(start, end)
+    pseudo = outer.end_phase()
+    assert torch.allclose(pseudo, start - end)
+    assert outer.step(pseudo.clone()) is None  # alone: the average is our own
+    assert torch.allclose(outer.shared, end, atol=1e-6)
+    assert torch.allclose(flat_params(local), end, atol=1e-6)
+
+
+def test_nesterov_outer_step_moves_shared_parameters_by_lr_times_one_plus_momentum_at_first() -> None:
+    local = local_model()
+    outer = OuterState(DilocoConfig(outer_lr=0.7, outer_momentum=0.9), local)
+    theta = outer.shared.clone()
+    inner_steps(local, 3)
+    pseudo = outer.end_phase().clone()
+    averaged = pseudo * 0.5  # e.g. the group's average
+    assert outer.step(averaged) is None
+    # torch's SGD starts the momentum buffer at the gradient; Nesterov then steps by g + m * buf
+    assert torch.allclose(outer.shared, theta - 0.7 * 1.9 * averaged, atol=1e-6)
+    assert torch.allclose(flat_params(local), outer.shared)  # without overlap the model becomes theta
+    assert torch.allclose(outer.named()[MOMENTUM], averaged)
+
+
+def test_overlap_keeps_the_progress_made_while_the_round_was_in_flight() -> None:
+    local = local_model()
+    outer = OuterState(DilocoConfig(outer_lr=0.7, outer_momentum=0.0), local)
+    theta = outer.shared.clone()
+    inner_steps(local, 3)
+    pseudo = outer.end_phase().clone()  # the next phase starts from here, before the average lands
+    x = flat_params(local)
+    inner_steps(local, 2)
+    progress = flat_params(local) - x
+    averaged = pseudo * 0.8
+    assert outer.step(averaged) is None
+    expected_theta = theta - 0.7 * averaged
+    assert torch.allclose(outer.shared, expected_theta, atol=1e-6)
+    assert torch.allclose(flat_params(local), expected_theta + progress, atol=1e-5)
+    assert torch.allclose(outer.anchor, expected_theta)  # the next pseudo-gradient is -progress
+    assert torch.allclose(outer.end_phase(), -progress, atol=1e-5)
+
+
+def test_a_non_finite_average_is_refused_and_changes_nothing() -> None:
+    local = local_model()
+    outer = OuterState(DilocoConfig(), local)
+    inner_steps(local, 2)
+    before, model = outer.shared.clone(), flat_params(local)
+    bad = outer.end_phase().clone()
+    bad[3] = float("nan")
+    assert "NaN" in (outer.step(bad) or "")
+    assert torch.equal(outer.shared, before) and torch.equal(flat_params(local), model)
+
+
+def test_inner_step_refuses_a_non_finite_gradient() -> None:
+    local = local_model()
+    before = flat_params(local)
+    _, samples = local.forward_backward(next(local.task.train_batches()))
+    local.params[0].grad[0] = float("inf")  # type: ignore[index]
+    assert "NaN/Inf" in (local.inner_step(samples) or "")
+    assert torch.equal(flat_params(local), before)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
+def test_eager_optimizer_slots_give_the_same_steps_as_torchs_lazy_ones(kind: str) -> None:
+    def run(eager: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        config = TrainingConfig(optimizer=kind, momentum=0.9 if kind == "sgd" else 0.0)
+        from peerd.training.local import make_optimizer
+
+        optimizer = make_optimizer(config, model)
+        if eager:
+            init_slots(optimizer)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            model(torch.randn(5, 6, generator=g)).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    assert torch.equal(run(eager=True), run(eager=False))
+
+
+def test_devices_that_are_not_there_are_refused_naming_the_field() -> None:
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        for name in ("cuda", "cuda:1"):
+            with pytest.raises(ConfigError, match="training.device") as e:
+                resolve_device(name)
+            assert e.value.field == "training.device"
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ConfigError, match="no MPS"):
+            resolve_device("mps")
+
+
+def test_bf16_autocast_trains_on_cpu_and_keeps_fp32_weights() -> None:
+    task = build_task(TaskConfig(name="lm", options={"d_model": 32, "n_heads": 2, "d_ff": 64, "seq_len": 32,
+                                                     "batch_size": 4, "max_files": 20, "val_files": 2,
+                                                     "val_batches": 1}), shard_index=0)
+    local = LocalModel(TrainingConfig(mode="diloco", precision="bf16", device="cpu"), task, error_feedback=False)
+    batches = task.train_batches()
+    first = None
+    for _ in range(5):
+        loss, samples = local.forward_backward(next(batches))
+        first = first if first is not None else loss
+        assert local.inner_step(samples) is None
+    assert all(p.dtype == torch.float32 for p in local.params)
+    assert local.validation_loss() < first + 0.5
+
+
+def test_named_state_round_trips_and_joiners_get_the_shared_parameters() -> None:
+    source, target = local_model(), local_model()
+    outer = OuterState(DilocoConfig(), source)
+    inner_steps(source, 3)
+    assert set(source.template()) == set(target.template())  # slots exist before the first step too
+    exported = source.export_state()
+    target.import_state(exported)
+    assert torch.equal(flat_params(target), flat_params(source))
+    served = source.export_state(parameters=outer.shared)
+    target.import_state(served)
+    assert torch.equal(flat_params(target), outer.shared)
+    assert {SHARED, MOMENTUM} == set(outer.named())
