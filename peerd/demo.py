@@ -34,12 +34,12 @@ def training_table(peers: list[PeerProcess]) -> tuple[str, list[dict[str, Any]]]
         reports.append(report)
         last = report.get("last_round") or {}
         rows.append([
-            peer.name, report.get("step", "-"), _fmt(report.get("loss")), _fmt(report.get("validation_loss")),
+            peer.name, report.get("step", "-"), report.get("mode", "-"), _fmt(report.get("loss")), _fmt(report.get("validation_loss")),
             _fmt(report.get("samples_per_second"), 1), f"{report.get('rounds_ok', 0)}/{report.get('rounds_solo', 0)}",
             last.get("group_size", "-"), _fmt(last.get("duration"), 2),
             f"{report.get('bytes_sent', 0) / 2**20:.1f}", _fmt(last.get("codec_error"), 4),
         ])
-    headers = ["peer", "step", "loss", "val loss", "samples/s", "rounds ok/solo", "group", "round s", "MiB sent",
+    headers = ["peer", "step", "mode", "loss", "val loss", "samples/s", "rounds ok/solo", "group", "round s", "MiB sent",
                "codec err"]
     return format_table(headers, rows), reports
 

@@ -36,8 +36,11 @@ def _fmt(value: Any, spec: str) -> str:
 def format_progress(training: Mapping[str, Any]) -> str:
     """One line from a ``TrainingReport.as_dict()``."""
     peers = training.get("peers_training", 0)
+    step = f"step {training.get('step', '-')}"
+    if training.get("mode") == "diloco":  # the outer step is the phase; inner steps count within it
+        step = f"phase {training.get('step', '-')} (inner step {training.get('inner_steps', 0)})"
     parts = [
-        f"step {training.get('step', '-')}",
+        step,
         f"loss {_fmt(training.get('loss'), '.4f')}",
         f"val {_fmt(training.get('validation_loss'), '.4f')}",
         (f"{_fmt(training.get('samples_per_second'), '.1f')} samples/s "
@@ -45,6 +48,7 @@ def format_progress(training: Mapping[str, Any]) -> str:
         f"{peers} peer{'' if peers == 1 else 's'}",
         f"rounds {training.get('rounds_ok', 0)} ok/{training.get('rounds_solo', 0)} solo",
         str(training.get("state", "")),
+        str(training.get("device", "")),
     ]
     return " | ".join(parts)
 

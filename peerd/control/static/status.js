@@ -59,8 +59,12 @@ function renderFacts(status) {
     ["addresses", (status.maddrs || []).join("\n") || "-"],
   ];
   if (t) {
+    const diloco = t.mode === "diloco";
     facts.push(
-      ["step", t.step],
+      ["mode", diloco ? `diloco${t.outer_pending ? " (outer round in flight)" : ""}` : t.mode],
+      [diloco ? "phase" : "step", diloco ? `${t.step} (inner step ${t.inner_steps})` : t.step],
+      ["device", `${t.device} (${t.precision})`],
+      ["compute", isNumber(t.utilisation) ? `${fmt(100 * t.utilisation, 1)}% of wall time` : "-"],
       ["loss", fmt(t.loss, 4)],
       ["validation loss", isNumber(t.validation_loss) ? `${fmt(t.validation_loss, 4)} (step ${t.validation_step})` : "-"],
       ["samples/s", `${fmt(t.samples_per_second, 1)} here, ${fmt(t.swarm_samples_per_second, 1)} swarm`],
