@@ -116,8 +116,12 @@ class CollaborativeTrainer:
             await self._wait_for_peers(stop)
             while not stop.is_set():
                 if self.config.max_steps is not None and self.step >= self.config.max_steps:
-                    if self.report.validation_step != self.step:  # e.g. the last step came from a state sync
-                        await self._validate()
+                    if self.outer is not None:  # the last phase's round, then its result on disk
+                        await self._land_pending()
+                        if self.checkpointer is not None:
+                            await self._checkpoint()
+                    if self.report.validation_step != self.step or self.outer is not None:
+                        await self._validate()  # e.g. the last step came from a state sync
                     self.report.state = "idle"
                     await stop.wait()
                     break
@@ -306,7 +310,8 @@ class CollaborativeTrainer:
         else:
             await outer_round
         await self._publish()
-        if self.step % self.config.validation_every == 0:
+        last = self.config.max_steps is not None and self.step >= self.config.max_steps
+        if self.step % self.config.validation_every == 0 and not last:  # the last one follows its round
             await self._validate()
 
     async def _outer_round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: int) -> None:
