@@ -1,0 +1,79 @@
+"""diloco mode with real processes: the LM trains, every peer ends on the same shared parameters, a killed
+peer stalls nobody, a late joiner gets the outer state, and --resume restores the phase."""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+LM = REPO / "configs" / "lm.yaml"
+LN_256 = math.log(256)
+# A small LM and short phases: ~10 inner steps take a second or two per peer on 2 shared cores.
+ARGS = ["-o", "training.mode=diloco", "-o", "training.diloco.inner_steps=10",
+        "-o", ("training.task.options={d_model: 64, n_heads: 2, d_ff: 128, seq_len: 64, batch_size: 8, "
+        "max_files: 60, val_files: 4, val_batches: 2}"),
+        "-o", "training.wait_for_peers=3", "-o", "training.validation_every=2",
+        "-o", "training.state_averaging_every=0"]
+
+
+@pytest.fixture
+def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    with LocalSwarm(LM, log_dir=tmp_path, extra_args=list(ARGS)) as local_swarm:
+        yield local_swarm
+
+
+def training(peer: PeerProcess) -> dict[str, Any]:
+    return peer.status()["training"]
+
+
+def all_reached(peers: list[PeerProcess], key: str, value: int) -> bool:
+    return all(training(p)[key] >= value for p in peers)
+
+
+@pytest.mark.timeout(300)
+def test_three_peers_train_and_end_on_the_same_shared_parameters(swarm: LocalSwarm) -> None:
+    phases = 6
+    swarm.extra_args += ["-o", f"training.max_steps={phases}"]
+    swarm.start(3)
+    wait_for(lambda: all((training(p)["validation_step"] or 0) >= phases and training(p)["state"] == "idle"
+                         for p in swarm.peers), 240, f"{phases} phases and their validation on every peer", 0.5)
+    reports = [training(p) for p in swarm.peers]
+    for report in reports:
+        assert report["mode"] == "diloco" and report["phase"] == phases and report["device"] == "cpu"
+        assert report["rounds_ok"] >= phases - 1, report  # the first phase may start before all peers are up
+        assert report["group_sizes"].get("3", 0) >= phases - 2, report
+        assert report["validation_loss"] < LN_256 - 1.0, report  # from ~5.5 (ln 256): it learned
+        assert 0.5 < report["utilisation"] <= 1.0, report
+    # After the last round every local model is the shared one: bit-identical models, identical losses.
+    assert len({r["validation_loss"] for r in reports}) == 1, [r["validation_loss"] for r in reports]
+    assert swarm.stop() == [0, 0, 0]
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_killed_mid_phase_stalls_the_others_no_longer_than_a_round_timeout(swarm: LocalSwarm) -> None:
+    swarm.extra_args += ["-o", "averaging.round_timeout=10", "-o", "averaging.join_timeout=3"]
+    swarm.start(3)
+    survivors, victim = swarm.peers[:2], swarm.peers[2]
+    wait_for(lambda: all_reached(swarm.peers, "rounds_ok", 2), 180, "2 outer rounds on every peer", 0.5)
+    wait_for(lambda: training(victim)["inner_steps"] >= 3, 30, "the victim to be mid-phase", 0.1)
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    before = {p.name: training(p)["rounds_ok"] for p in survivors}
+    # a phase here takes a few seconds; one round may wait for the dead peer up to the round timeout (10 s)
+    wait_for(lambda: all(training(p)["rounds_ok"] >= before[p.name] + 3 for p in survivors), 90,
+             "3 more outer rounds on both survivors", 0.5)
+    for peer in survivors:
+        report = training(peer)
+        assert report["last_round"]["group_size"] == 2, report
+        assert report["loss"] is not None and math.isfinite(report["loss"])
+    assert [p.stop() for p in survivors] == [0, 0]
