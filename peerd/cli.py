@@ -14,37 +14,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-import yaml
 
-from peerd.config import PeerdConfig, dump_config, load_config
-from peerd.errors import ConfigError, PeerdError
+from peerd.config import PeerdConfig, dump_config, load_config, parse_overrides, set_dotted
+from peerd.errors import PeerdError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = target
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"-o {dotted}: {part!r} is set twice", field=dotted)
-        node = child
-    node[parts[-1]] = value
-
-
 def _overrides(options: dict[str, Any]) -> dict[str, Any]:
     """Turns the CLI flags that were actually given into a nested override mapping."""
-    result: dict[str, Any] = {}
-    for item in options.get("override") or ():
-        if "=" not in item:
-            raise ConfigError(f"-o {item!r}: expected section.key=value", field="-o")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(result, key.strip(), value)
+    result = parse_overrides(options.get("override") or ())
     flag_fields = {
         "run_name": "run_name",
         "initial_peers": "swarm.initial_peers",
@@ -63,7 +42,7 @@ def _overrides(options: dict[str, Any]) -> dict[str, Any]:
         value = options.get(option)
         if value is None or value == ():
             continue
-        _set_dotted(result, dotted, list(value) if isinstance(value, tuple) else value)
+        set_dotted(result, dotted, list(value) if isinstance(value, tuple) else value)
     return result
 
 
@@ -205,14 +184,16 @@ def config_show(**options: Any) -> None:
 @click.option("--interval", type=float, default=10.0, show_default=True, help="Seconds between progress tables.")
 @click.option("--open", "open_swarm", is_flag=True,
               help="Run an open swarm; by default the local peers share a fresh swarm secret.")
+@click.option("-o", "--override", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Set any option of every peer by its dotted YAML path, e.g. -o training.mode=diloco.")
 def swarm(n_peers: int, config_path: Path, timeout: float, duration: float, interval: float,
-          open_swarm: bool) -> None:
+          open_swarm: bool, overrides: tuple[str, ...]) -> None:
     """Start N local peers on loopback, show the swarm, train together (if the config trains), stop them."""
     from peerd.demo import run_local_swarm
 
     try:
         sys.exit(run_local_swarm(n_peers, config_path, timeout=timeout, duration=duration, interval=interval,
-                                 private=not open_swarm))
+                                 private=not open_swarm, overrides=overrides))
     except PeerdError as e:
         _fail(e)
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peerd.config import load_config
+from peerd.config import load_config, parse_overrides
 from peerd.errors import DaemonError, PeerdError
 from peerd.launcher import LocalSwarm, PeerProcess
 from peerd.tables import format_table
@@ -45,14 +45,15 @@ def training_table(peers: list[PeerProcess]) -> tuple[str, list[dict[str, Any]]]
 
 
 def run_local_swarm(n_peers: int, config_path: Path, timeout: float = 60.0, duration: float = 120.0,
-                    interval: float = 10.0, private: bool = True) -> int:
+                    interval: float = 10.0, private: bool = True, overrides: tuple[str, ...] = ()) -> int:
     """Start, wait for a full mesh in the DHT, print it; if the config trains, watch it train; stop cleanly.
-    ``private``: unless the config names a swarm secret, the peers share a fresh one (in the log directory)."""
+    ``private``: unless the config names a swarm secret, the peers share a fresh one (in the log directory).
+    ``overrides``: ``section.key=value`` settings for every peer, as ``peerd start -o``."""
     if not config_path.is_file():
         raise DaemonError(f"config {config_path} not found; run from the repository root or pass --config")
-    config = load_config(config_path)
+    config = load_config(config_path, parse_overrides(overrides))
     trains = config.training.enabled
-    with LocalSwarm(config_path) as swarm:
+    with LocalSwarm(config_path, extra_args=[arg for item in overrides for arg in ("-o", item)]) as swarm:
         print(f"Starting {n_peers} peers from {config_path} (logs in {swarm.log_dir})", flush=True)
         if private and config.swarm.secret_path is None and config.swarm.allowlist_path is None:
             secret = swarm.log_dir / "swarm.secret"

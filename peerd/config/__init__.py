@@ -13,7 +13,9 @@ from peerd.config.loader import (
     config_error_from,
     dump_config,
     load_config,
+    parse_overrides,
     read_yaml,
+    set_dotted,
 )
 from peerd.config.peer import (
     DEFAULT_CONTROL_PORT,
@@ -28,5 +30,6 @@ from peerd.config.training import AveragingConfig, CheckpointConfig, CodecConfig
 __all__ = [
     "DEFAULT_CONTROL_PORT", "ENV_PREFIX", "EXPERT_UID_PATTERN", "AveragingConfig", "CheckpointConfig", "CodecConfig",
     "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Role", "StreamLimits", "SwarmConfig",
-    "TaskConfig", "TrainingConfig", "config_error_from", "dump_config", "load_config", "read_yaml",
+    "TaskConfig", "TrainingConfig", "config_error_from", "dump_config", "load_config", "parse_overrides",
+    "read_yaml", "set_dotted",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,32 @@ class _YamlSource(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         return dict(_yaml_data.get({}))
+
+
+def set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = target
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"-o {dotted}: {part!r} is set twice", field=dotted)
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``-o section.key=value`` items (values parsed as YAML) as a nested override mapping."""
+    result: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"-o {item!r}: expected section.key=value", field="-o")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        set_dotted(result, key.strip(), value)
+    return result
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
