@@ -71,7 +71,10 @@ def _histogram(name: str, doc: str, data: Any, bounds: Sequence[float]) -> Histo
 
 
 _TRAINING_GAUGES = (  # name, key in TrainingReport.as_dict(), help
-    ("peerd_training_step", "step", "Global optimizer step this peer is at."),
+    ("peerd_training_step", "step", "Global optimizer step this peer is at (in diloco mode: the phase)."),
+    ("peerd_training_inner_steps", "inner_steps", "diloco: inner steps taken in the current phase."),
+    ("peerd_training_utilisation", "utilisation",
+     "Share of wall time since the first step spent in forward, backward and inner optimizer steps."),
     ("peerd_training_loss", "loss", "Exponential moving average of micro-batch training losses."),
     ("peerd_training_validation_loss", "validation_loss", "Loss on the task's fixed validation batches."),
     ("peerd_training_validation_step", "validation_step", "Step at which the validation loss was computed."),
@@ -164,6 +167,8 @@ class StatusCollector(Collector):
     def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
         for name, key, doc in _TRAINING_GAUGES:
             yield _gauge(name, doc, _number(t, key))
+        yield _counter("peerd_training_compute_seconds", "Seconds spent in forward, backward and inner "
+                       "optimizer steps.", _number(t, "compute_seconds"))
         yield _counter("peerd_training_state_syncs", "Times this peer downloaded the training state from "
                        "a peer.", _number(t, "state_syncs"))
         rounds = CounterMetricFamily("peerd_averaging_rounds", "Global steps by outcome: averaged in a group "
