@@ -60,12 +60,16 @@ def test_three_peers_train_and_end_on_the_same_shared_parameters(swarm: LocalSwa
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_killed_mid_phase_stalls_the_others_no_longer_than_a_round_timeout(swarm: LocalSwarm) -> None:
+@pytest.mark.parametrize("when", ["mid_phase", "mid_averaging"])
+def test_a_killed_peer_stalls_the_others_no_longer_than_a_round_timeout(swarm: LocalSwarm, when: str) -> None:
     swarm.extra_args += ["-o", "averaging.round_timeout=10", "-o", "averaging.join_timeout=3"]
     swarm.start(3)
     survivors, victim = swarm.peers[:2], swarm.peers[2]
     wait_for(lambda: all_reached(swarm.peers, "rounds_ok", 2), 180, "2 outer rounds on every peer", 0.5)
-    wait_for(lambda: training(victim)["inner_steps"] >= 3, 30, "the victim to be mid-phase", 0.1)
+    if when == "mid_phase":
+        wait_for(lambda: training(victim)["inner_steps"] >= 3, 30, "the victim to be mid-phase", 0.05)
+    else:  # its last phase's round is in flight (matchmaking or all-reduce) while its next phase computes
+        wait_for(lambda: training(victim)["outer_pending"], 60, "the victim to be in an outer round", 0.05)
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(10)
     before = {p.name: training(p)["rounds_ok"] for p in survivors}
