@@ -1,21 +1,89 @@
-"""Periodic, atomic checkpoints (write to a temporary file, fsync, rename) and resuming from the newest
-usable one: a truncated or foreign newest file is reported and the previous one is used instead."""
+"""Checkpoint files of a :class:`~peerd.training.state.TrainingState`, and periodic checkpoints with resuming.
+
+A file is ``torch.save`` of a plain dict ``{format, version: 2, fingerprint, step, tensors}``, written
+atomically (a temporary file, fsync, rename) and read back with ``weights_only=True`` (no pickle code runs),
+then checked against the reader's template. :class:`Checkpointer` keeps the newest ``keep`` files and resumes
+from the newest usable one: a truncated or foreign newest file is reported and the previous one is used.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
+from typing import IO, Any, overload
 
 import torch
 
 from peerd.config import CheckpointConfig
 from peerd.errors import StateError
-from peerd.training.state import unpack_state
+from peerd.training.state import Template, TrainingState, check_state, unpack_state
+
+__all__ = ["Checkpointer", "load_state", "save_state"]
 
 logger = logging.getLogger(__name__)
 
 PATTERN = "ckpt-*.pt"
+FORMAT = "peerd.training-state"
+VERSION = 2
+
+
+def save_state(path: Path, state: TrainingState, fingerprint: str) -> None:
+    """Writes ``state`` to ``path`` atomically: readers see the old file or the new one, never half of one."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        torch.save({"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "step": state.step,
+                    "tensors": state.tensors}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    _fsync_directory(path.parent)  # the rename itself survives a power cut
+
+
+def load_state(file: Path | IO[bytes], template: Template, fingerprint: str, source: str | None = None) -> TrainingState:
+    """The state in ``file``, checked against ``template``; StateError naming ``source`` (default: the path)
+    if it is unreadable, of another format, version or fingerprint, or does not fit the template."""
+    source = source or str(file)
+    try:
+        data = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises several types (EOFError, RuntimeError, UnpicklingError, ...)
+        raise StateError(f"{source}: not a readable peerd state ({type(e).__name__}: {str(e)[:200]})",
+                         source=source) from e
+    if not isinstance(data, dict) or not _is(data.get("format"), FORMAT):
+        raise StateError(f"{source}: not a peerd training state", source=source)
+    version = data.get("version")
+    if _is(version, 1):
+        raise StateError(f"{source}: a version-1 checkpoint (model and optimizer in one blob, written by an older "
+                         f"peerd); this peerd reads version {VERSION} only: move it away and start without "
+                         f"--resume, or join a swarm to download the state", source=source)
+    if not _is(version, VERSION):
+        raise StateError(f"{source}: state format version {_short(version)}, this peerd reads {VERSION}",
+                         source=source)
+    if not _is(data.get("fingerprint"), fingerprint):
+        raise StateError(f"{source}: state of another model/config (fingerprint {_short(data.get('fingerprint'))}, "
+                         f"ours {fingerprint})", source=source)
+    tensors = data.get("tensors")
+    if not isinstance(tensors, dict):
+        raise StateError(f"{source}: no tensors", source=source)
+    state = TrainingState(data.get("step"), tensors)  # type: ignore[arg-type]  # check_state checks both
+    check_state(state, template, source)
+    return state
+
+
+def _is(value: Any, expected: str | int) -> bool:
+    return type(value) is type(expected) and value == expected
+
+
+def _short(value: Any) -> str:
+    return repr(value)[:80] if isinstance(value, (str, int, float, type(None))) else type(value).__name__
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Checkpointer:
@@ -27,33 +95,62 @@ class Checkpointer:
         """Checkpoints, newest step first."""
         return sorted(self.directory.glob(PATTERN), reverse=True)
 
-    def save(self, blob: bytes, step: int) -> Path:
+    @overload
+    def save(self, state: TrainingState, fingerprint: str) -> Path: ...
+
+    @overload
+    def save(self, state: bytes, fingerprint: int) -> Path: ...  # TRANSITION: (version-1 blob, step)
+
+    def save(self, state: TrainingState | bytes, fingerprint: str | int) -> Path:
+        """Writes ``state`` as the checkpoint of its step and drops all but the newest ``keep``."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        final = self.directory / f"ckpt-{step:09d}.pt"
-        partial = final.with_suffix(".pt.partial")
-        with open(partial, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, final)  # readers see the old file or the new one, never half of one
+        if isinstance(state, bytes):  # TRANSITION
+            final = self.directory / f"ckpt-{int(fingerprint):09d}.pt"
+            _write_blob(final, state)
+        else:
+            final = self.directory / f"ckpt-{state.step:09d}.pt"
+            save_state(final, state, str(fingerprint))
         for old in self.files()[self.config.keep :]:
             old.unlink(missing_ok=True)
         return final
 
-    def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fingerprint: str) -> int | None:
-        """Loads the newest usable checkpoint and returns its step; None if there is none at all."""
+    @overload
+    def resume(self, template: Template, fingerprint: str) -> TrainingState | None: ...
+
+    @overload  # TRANSITION: (model, optimizer, fingerprint), loads a version-1 checkpoint into them
+    def resume(self, template: torch.nn.Module, fingerprint: torch.optim.Optimizer, legacy: str) -> int | None: ...
+
+    def resume(self, template: Template | torch.nn.Module, fingerprint: str | torch.optim.Optimizer,
+               legacy: str = "") -> TrainingState | int | None:
+        """The newest usable checkpoint's state; None if there is none at all, StateError listing every file's
+        problem if none is usable."""
         problems = []
         for path in self.files():
             try:
-                step = unpack_state(path.read_bytes(), model, optimizer, fingerprint, source=str(path))
+                if isinstance(template, torch.nn.Module):  # TRANSITION
+                    assert isinstance(fingerprint, torch.optim.Optimizer)
+                    step = unpack_state(path.read_bytes(), template, fingerprint, legacy, source=str(path))
+                    logger.info("Resumed from %s at step %d", path, step)
+                    return step
+                assert isinstance(fingerprint, str)
+                state = load_state(path, template, fingerprint)
             except (StateError, OSError) as e:
                 logger.error("Checkpoint unusable, trying the previous one: %s", e)
                 problems.append(str(e))
                 continue
-            logger.info("Resumed from %s at step %d", path, step)
-            return step
+            logger.info("Resumed from %s at step %d", path, state.step)
+            return state
         if problems:
             raise StateError(
                 f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(problems), source=str(self.directory)
             )
         return None
+
+
+def _write_blob(final: Path, blob: bytes) -> None:  # TRANSITION
+    partial = final.with_name(final.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, final)

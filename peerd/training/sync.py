@@ -1,41 +1,93 @@
-"""State transfer for late joiners: every trainer serves its current state; a joiner downloads and validates it."""
+"""State transfer for late joiners, the donor's side: every trainer serves its current state in chunks.
+
+A request gets a manifest (:mod:`peerd.training.manifest`), then the tensors' bytes in frames of at most
+``chunk_bytes``, straight from the state the provider returned: no blob is built. Concurrent requests share
+one snapshot (one provider call while any transfer of it runs), so serving costs at most one extra copy of the
+state however many joiners there are, and at most ``max_transfers`` run at once; more are told STATE_BUSY. A
+joiner that names a resume point of the same step and layout continues from there. The joiner side is
+:mod:`peerd.training.download`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.wire.frames import read_frame, read_message, wait_for_close, write_frame, write_message
+from peerd.training.download import StateDownloader, probe_state
+from peerd.training.manifest import (
+    CHUNK_BYTES,
+    HANDLER_NAME,
+    PROTOCOL_VERSION,
+    STALL_TIMEOUT,
+    byte_view,
+    chunks,
+    encode_manifest,
+    layout_digest,
+)
+from peerd.training.state import TrainingState, template_of
+from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
+
+__all__ = ["HANDLER_NAME", "StateProvider", "StateServer"]
 
 logger = logging.getLogger(__name__)
 
-HANDLER_NAME = "peerd.v1.training.state"
 # How long a server waits for the joiner to finish reading before it closes anyway: what p2pd still holds
 # (a yamux window and socket buffers, ~1 MB) takes seconds on a slow link. Longer than wire.LINGER_TIMEOUT,
 # which covers a refusal of a few bytes.
 JOINER_READ_TIMEOUT = 30.0
 REQUEST_TIMEOUT = 10.0  # for the joiner's request, which is sent right after the handshake
+MAX_TRANSFERS = 4
 
-# Returns (step, state bytes), or None while there is nothing to serve.
-StateProvider = Callable[[], Awaitable[tuple[int, bytes] | None]]
+# Returns the state to serve, or None while there is nothing to serve. The server reads the tensors until
+# the last transfer that uses them ends, so they must not change meanwhile: return a copy.
+# TRANSITION: (step, version-1 blob), as trainer.py's provider returns until it builds TrainingStates.
+StateProvider = Callable[[], Awaitable[TrainingState | tuple[int, bytes] | None]]
+
+
+@dataclass
+class _Snapshot:
+    state: TrainingState
+    manifest: pb.StateResponse
+    digest: bytes
+    views: list[memoryview]  # each tensor's bytes, in manifest order
+    users: int = 0
 
 
 class StateServer:
-    def __init__(self, guard: StreamGuard, fingerprint: str, provider: StateProvider) -> None:
+    def __init__(self, guard: StreamGuard, fingerprint: str, provider: StateProvider, *,
+                 max_transfers: int = MAX_TRANSFERS, chunk_bytes: int = CHUNK_BYTES,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
         """``guard``: only members that passed the membership handshake reach :meth:`_handle`."""
         self.guard = guard
         self.fingerprint = fingerprint
         self.provider = provider
+        self.max_transfers = max_transfers
+        self.chunk_bytes = chunk_bytes
+        self.stall_timeout = stall_timeout
+        self.active = 0
+        self.served = 0  # transfers completed
+        self.bytes_sent = 0
+        self._snapshot: _Snapshot | None = None
+        self._snapshot_lock = asyncio.Lock()
 
     async def start(self) -> None:
         await self.guard.add_handler(HANDLER_NAME, self._handle)
 
     async def stop(self) -> None:
         await self.guard.remove_handler(HANDLER_NAME)
+
+    def status(self) -> dict[str, Any]:
+        return {"transfers_active": self.active, "transfers_served": self.served, "bytes_sent": self.bytes_sent,
+                "snapshot_step": self._snapshot.state.step if self._snapshot is not None else None}
 
     async def _handle(self, info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(getattr(info, "peer_id", "?"))
@@ -45,55 +97,124 @@ class StateServer:
             # the tail inside p2pd: over QUIC every time, over TCP in 2 of ~500 transfers of the bench's p2pd
             # row under load; a joiner would see truncated state.
             await wait_for_close(reader, timeout=JOINER_READ_TIMEOUT, max_discard=1)
-        except (ProtocolViolation, ConnectionError, OSError, TimeoutError) as e:
+        except (ProtocolViolation, ConnectionError, OSError) as e:
             logger.info("State request from %s failed: %r", peer, e)
+        except TimeoutError:
+            logger.info("State transfer to %s given up: it read nothing for %.0fs", peer, self.stall_timeout)
         finally:
             writer.close()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
-        request = await asyncio.wait_for(read_message(reader, pb.StateRequest, peer), REQUEST_TIMEOUT)
+        try:
+            request = await asyncio.wait_for(read_message(reader, pb.StateRequest, peer), REQUEST_TIMEOUT)
+        except TimeoutError as e:
+            raise ProtocolViolation(f"{peer} sent no request within {REQUEST_TIMEOUT:.0f}s", peer_id=peer) from e
+        if request.protocol_version != PROTOCOL_VERSION:
+            await _refuse(writer, pb.STATE_VERSION_MISMATCH, f"this peer speaks state protocol version "
+                          f"{PROTOCOL_VERSION}, not {request.protocol_version}")
+            return
         if request.fingerprint != self.fingerprint:
-            await write_message(writer, pb.StateResponse(
-                code=pb.STATE_FINGERPRINT_MISMATCH,
-                message=f"this peer trains fingerprint {self.fingerprint}, not {request.fingerprint}",
-            ))
+            await _refuse(writer, pb.STATE_FINGERPRINT_MISMATCH,
+                          f"this peer trains fingerprint {self.fingerprint}, not {request.fingerprint[:80]}")
             return
-        state = await self.provider()
-        if state is None:
-            await write_message(writer, pb.StateResponse(code=pb.STATE_UNAVAILABLE, message="not training"))
+        if self.active >= self.max_transfers:
+            await _refuse(writer, pb.STATE_BUSY, f"already serving {self.active} transfers")
             return
-        step, blob = state
-        await write_message(writer, pb.StateResponse(code=pb.STATE_OK, step=step, payload_bytes=len(blob)))
-        await write_frame(writer, blob)
-        logger.info("Sent training state at step %d (%d bytes) to %s", step, len(blob), peer)
+        self.active += 1
+        try:
+            snapshot = await self._acquire()
+            if isinstance(snapshot, str):
+                await _refuse(writer, pb.STATE_UNAVAILABLE, snapshot)
+                return
+            try:
+                await self._send(snapshot, request, writer, peer)
+            finally:
+                self._release(snapshot)
+        finally:
+            self.active -= 1
+
+    async def _acquire(self) -> _Snapshot | str:
+        """The snapshot transfers share, taken from the provider if none is in use; else why there is none."""
+        async with self._snapshot_lock:
+            if self._snapshot is None:
+                try:
+                    state = await self.provider()
+                except Exception as e:
+                    logger.exception("The training state provider failed")
+                    return f"could not snapshot its state: {type(e).__name__}"
+                if state is None:
+                    return "not training"
+                if isinstance(state, tuple):  # TRANSITION: a version-1 blob travels as one uint8 tensor
+                    state = TrainingState(state[0], {LEGACY_NAME: torch.frombuffer(bytearray(state[1]),
+                                                                                 dtype=torch.uint8)})
+                try:
+                    manifest = encode_manifest(state, self.chunk_bytes)
+                except ValueError as e:
+                    logger.error("Cannot serve the training state: %s", e)
+                    return f"cannot serve its state: {e}"
+                views = [byte_view(t) for t in state.tensors.values()]
+                self._snapshot = _Snapshot(state, manifest, layout_digest(template_of(state)), views)
+            self._snapshot.users += 1
+            return self._snapshot
+
+    def _release(self, snapshot: _Snapshot) -> None:
+        snapshot.users -= 1
+        if snapshot.users == 0 and self._snapshot is snapshot:
+            self._snapshot = None  # the next request takes a fresh one from the provider
+
+    async def _send(self, snapshot: _Snapshot, request: pb.StateRequest, writer: asyncio.StreamWriter,
+                    peer: str) -> None:
+        step, sizes = snapshot.state.step, [len(v) for v in snapshot.views]
+        start = (0, 0)
+        if request.HasField("resume"):
+            resume = request.resume
+            if (resume.step == step and resume.layout == snapshot.digest and resume.tensor < len(sizes)
+                    and resume.offset < sizes[resume.tensor]):
+                start = (resume.tensor, resume.offset)
+            else:
+                logger.info("%s asked to resume a download of step %d; this peer serves step %d%s: restarting "
+                            "from zero", peer, resume.step, step,
+                            "" if resume.layout == snapshot.digest else " with another layout")
+        manifest = pb.StateResponse()
+        manifest.CopyFrom(snapshot.manifest)
+        manifest.start_tensor, manifest.start_offset = start
+        await write_message(writer, manifest)
+        if request.manifest_only:
+            return
+        began, sent = time.monotonic(), 0
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.stall_timeout) as stall:
+            for index, offset, length in chunks(tuple(sizes), start, self.chunk_bytes):
+                await write_frame(writer, snapshot.views[index][offset : offset + length])
+                sent += length
+                self.bytes_sent += length
+                stall.reschedule(loop.time() + self.stall_timeout)
+        self.served += 1
+        seconds = time.monotonic() - began
+        total = sum(sizes)
+        resumed = f" (resumed at byte {total - sent})" if sent < total else ""
+        logger.info("Sent training state at step %d to %s: %d of its %d bytes%s in %.1fs (%.1f Mbit/s)", step,
+                    peer, sent, total, resumed, seconds, sent * 8 / 1e6 / max(seconds, 1e-6))
+
+
+async def _refuse(writer: asyncio.StreamWriter, code: pb.StateCode, message: str) -> None:
+    await write_message(writer, pb.StateResponse(code=code, message=message, protocol_version=PROTOCOL_VERSION))
+
+
+# --- TRANSITION: version 1's calls, for trainer.py until it serves TrainingStates and uses StateDownloader; ----
+# --- delete with the tuple case of StateProvider. --------------------------------------------------------------
+
+LEGACY_NAME = "legacy/blob"
 
 
 async def download_state(
     guard: StreamGuard, peer_id: str, fingerprint: str, max_bytes: int, timeout: float
 ) -> tuple[int, bytes]:
-    """Fetches (step, state bytes) from ``peer_id``; raises StateError naming the peer on any failure."""
-
-    async def fetch() -> tuple[int, bytes]:
-        reader, writer = await guard.open(peer_id, HANDLER_NAME)
-        try:
-            await write_message(writer, pb.StateRequest(protocol_version=1, fingerprint=fingerprint))
-            response = await read_message(reader, pb.StateResponse, peer_id)
-            if response.code != pb.STATE_OK:
-                raise StateError(f"{peer_id} has no state for us: {pb.StateCode.Name(response.code)} "
-                                 f"{response.message}", source=peer_id)
-            if response.payload_bytes > max_bytes:
-                raise StateError(f"{peer_id} offers {response.payload_bytes} bytes of state, above "
-                                 f"training.max_state_bytes ({max_bytes})", source=peer_id)
-            blob = await read_frame(reader, response.payload_bytes, peer_id, "training state")
-            return int(response.step), blob
-        finally:
-            writer.close()
-
-    try:
-        return await asyncio.wait_for(fetch(), timeout)
-    except TimeoutError as e:
-        raise StateError(f"downloading state from {peer_id} timed out after {timeout:.0f}s", source=peer_id) from e
-    except StateError:
-        raise
-    except Exception as e:  # a network boundary: hivemind's ControlFailure and friends included
-        raise StateError(f"downloading state from {peer_id} failed: {type(e).__name__}: {e}", source=peer_id) from e
+    """Fetches (step, version-1 state bytes) from a donor whose provider returns them; StateError naming the
+    peer on any failure. ``timeout`` is ignored: transfers stall out instead."""
+    del timeout
+    manifest = await probe_state(guard, peer_id, fingerprint, max_bytes)
+    if list(manifest.layout) != [LEGACY_NAME]:
+        raise StateError(f"{peer_id} serves named tensors, not a version-1 blob", source=peer_id)
+    state = await StateDownloader(guard, fingerprint, manifest.layout, max_bytes, rounds=1).download([peer_id])
+    return state.step, state.tensors[LEGACY_NAME].numpy().tobytes()

@@ -7,6 +7,7 @@ amount of memory. Here every read states the most it will accept and refuses mor
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -104,6 +105,29 @@ async def _read(reader: asyncio.StreamReader, limit: int, peer_id: str, what: st
         raise ProtocolViolation(
             f"{peer_id} sent {len(e.partial)} of the {length} bytes of {what}", peer_id=peer_id
         ) from e
+
+
+async def read_frame_into(
+    reader: asyncio.StreamReader, into: memoryview, peer_id: str, what: str,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Reads one frame that must be exactly ``len(into)`` bytes long straight into ``into`` (a writable byte
+    view), piece by piece: the frame never exists as a bytes object of its own. ``progress`` is called with
+    the size of every piece as it arrives (a byte counter, a stall timer)."""
+    expected = len(into)
+    length = await _read_length(reader, expected, peer_id, what, eof_ok=False)
+    if length != expected:
+        raise ProtocolViolation(f"{peer_id} sent a {length}-byte {what}, not the {expected} bytes asked for",
+                                peer_id=peer_id)
+    done = 0
+    while done < expected:
+        piece = await reader.read(min(expected - done, 1 << 18))
+        if not piece:
+            raise ProtocolViolation(f"{peer_id} sent {done} of the {expected} bytes of {what}", peer_id=peer_id)
+        into[done : done + len(piece)] = piece
+        done += len(piece)
+        if progress is not None:
+            progress(len(piece))
 
 
 async def skip_frame(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> None:

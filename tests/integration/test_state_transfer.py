@@ -1,5 +1,7 @@
-"""State transfer between two real p2pd daemons, over each libp2p transport peerd supports: a joiner gets the
-server's bytes intact, and every refusal reaches it as a StateError naming the server, not as a cut stream.
+"""State transfer between real p2pd daemons, over each libp2p transport peerd supports: a joiner gets a donor's
+tensors intact, every refusal reaches it as a StateError naming the donor, a donor that disappears mid-transfer
+is replaced by the next one, which continues from the byte where the first stopped, and a hostile manifest is
+refused before a byte of its payload is read.
 
 Over QUIC, a server that closes its stream right after its last write loses what p2pd had not sent yet, every
 time (over TCP rarely): these tests are what keeps the server waiting for the joiner to close first."""
@@ -7,77 +9,200 @@ time (over TCP rarely): these tests are what keeps the server waiting for the jo
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import pytest
+import torch
 from hivemind.p2p import P2P
 
 from peerd.config import StreamLimits
 from peerd.errors import StateError
-from peerd.training.sync import StateProvider, StateServer, download_state
+from peerd.proto import peerd_training_pb2 as pb
+from peerd.training.download import StateDownloader
+from peerd.training.manifest import HANDLER_NAME, encode_manifest
+from peerd.training.state import TrainingState, template_of
+from peerd.training.sync import StateServer
+from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
 from tests.integration.transports import LISTEN
+from tests.unit.state_streams import PausingGuard
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(120)
 
 FINGERPRINT = "fp-test"
 OPEN = Membership()
 
 
-async def with_server(listen: str, provider: StateProvider, body: Callable[[StreamGuard, str], Awaitable[None]]) -> None:
-    server_p2p = await P2P.create(host_maddrs=[listen])
-    client_p2p = None
+def large_state(step: int = 17) -> TrainingState:
+    """~7.3 MiB in several tensors and dtypes: many yamux windows, the tail is what a hasty close would lose."""
+    g = torch.Generator().manual_seed(step)
+    return TrainingState(step, {
+        "model/embed.weight": torch.randn(1024, 1024, generator=g),
+        "model/norm.bias": torch.randn(1024, generator=g).bfloat16(),
+        "inner/0/exp_avg": torch.randn(512, 1024, generator=g).half(),
+        "inner/0/step": torch.tensor(17.0),
+        "outer/shared": torch.randn(600_000, generator=g),
+        "outer/tokens": torch.randint(0, 1000, (5000,), generator=g),
+        "outer/mask": torch.rand(333, generator=g) > 0.5,
+    })
+
+
+TEMPLATE = template_of(large_state())
+TOTAL = large_state().nbytes
+
+
+def identical(a: TrainingState, b: TrainingState) -> bool:
+    return a.step == b.step and list(a.tensors) == list(b.tensors) and all(
+        torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+
+def guard(p2p: P2P) -> StreamGuard:
+    return StreamGuard(p2p, OPEN, StreamLimits())
+
+
+@asynccontextmanager
+async def peers(listen: str, donors: int) -> AsyncIterator[tuple[P2P, list[P2P]]]:
+    """A joiner connected to ``donors`` donors (which know nothing of each other); all shut down at the end."""
+    started: list[P2P] = []
     try:
-        client_p2p = await P2P.create(
-            host_maddrs=[listen],
-            initial_peers=[str(m) for m in await server_p2p.get_visible_maddrs()],
-        )
-        server = StateServer(StreamGuard(server_p2p, OPEN, StreamLimits()), FINGERPRINT, provider)
-        await server.start()
-        await body(StreamGuard(client_p2p, OPEN, StreamLimits()), str(server_p2p.peer_id))
-        await server.stop()
+        for _ in range(donors):
+            started.append(await P2P.create(host_maddrs=[listen]))
+        maddrs = [str(m) for donor in started for m in await donor.get_visible_maddrs()]
+        joiner = await P2P.create(host_maddrs=[listen], initial_peers=maddrs)
+        started.append(joiner)
+        yield joiner, started[:-1]
     finally:
-        if client_p2p is not None:
-            await client_p2p.shutdown()
-        await server_p2p.shutdown()
+        for p2p in reversed(started):
+            await p2p.shutdown()  # a second shutdown of a donor a test already took away is harmless
+
+
+def serving(state: TrainingState | None) -> Callable[[], Awaitable[TrainingState | None]]:
+    async def provider() -> TrainingState | None:
+        return state
+
+    return provider
 
 
 @pytest.mark.parametrize("transport", LISTEN)
 def test_a_large_state_arrives_intact_every_time(transport: str) -> None:
-    blob = os.urandom(6 << 20)  # several yamux windows: the tail is what a hasty close would lose
+    state = large_state()
+    assert TOTAL > 6 << 20
 
-    async def provider() -> tuple[int, bytes]:
-        return 17, blob
+    async def body() -> None:
+        async with peers(LISTEN[transport], donors=1) as (joiner, (donor,)):
+            server = StateServer(guard(donor), FINGERPRINT, serving(state))
+            await server.start()
+            for _ in range(3):
+                downloader = StateDownloader(guard(joiner), FINGERPRINT, TEMPLATE, max_bytes=8 << 20)
+                assert identical(await downloader.download([str(donor.peer_id)]), state)
+                assert downloader.status()["bytes_from"] == {str(donor.peer_id): TOTAL}
 
-    async def body(client: StreamGuard, server_id: str) -> None:
-        for _ in range(5):
-            step, got = await download_state(client, server_id, FINGERPRINT, max_bytes=8 << 20, timeout=30)
-            assert step == 17
-            assert hashlib.sha256(got).digest() == hashlib.sha256(blob).digest()
-
-    asyncio.run(with_server(LISTEN[transport], provider, body))
+    asyncio.run(body())
 
 
 @pytest.mark.parametrize("transport", LISTEN)
 def test_refusals_reach_the_joiner_with_their_reason(transport: str) -> None:
-    serving: list[tuple[int, bytes] | None] = [None]
+    serving_now: list[TrainingState | None] = [None]
 
-    async def provider() -> tuple[int, bytes] | None:
-        return serving[0]
+    async def provider() -> TrainingState | None:
+        return serving_now[0]
 
-    async def body(client: StreamGuard, server_id: str) -> None:
-        with pytest.raises(StateError, match="STATE_UNAVAILABLE not training") as unavailable:
-            await download_state(client, server_id, FINGERPRINT, max_bytes=1 << 20, timeout=30)
-        assert server_id in str(unavailable.value)
+    async def body() -> None:
+        async with peers(LISTEN[transport], donors=1) as (joiner, (donor,)):
+            server = StateServer(guard(donor), FINGERPRINT, provider)
+            await server.start()
+            donor_id = str(donor.peer_id)
 
-        serving[0] = (3, bytes(4096))
-        with pytest.raises(StateError, match="STATE_FINGERPRINT_MISMATCH this peer trains fingerprint fp-test"):
-            await download_state(client, server_id, "fp-other", max_bytes=1 << 20, timeout=30)
-        with pytest.raises(StateError, match=r"offers 4096 bytes of state, above training.max_state_bytes \(1024\)"):
-            await download_state(client, server_id, FINGERPRINT, max_bytes=1024, timeout=30)
-        assert await download_state(client, server_id, FINGERPRINT, max_bytes=1 << 20, timeout=30) == (3, bytes(4096))
+            async def download(fingerprint: str = FINGERPRINT, max_bytes: int = 8 << 20) -> TrainingState:
+                return await StateDownloader(guard(joiner), fingerprint, TEMPLATE, max_bytes, rounds=1).download(
+                    [donor_id])
 
-    asyncio.run(with_server(LISTEN[transport], provider, body))
+            with pytest.raises(StateError, match="STATE_UNAVAILABLE not training") as unavailable:
+                await download()
+            assert donor_id in str(unavailable.value) and unavailable.value.source == donor_id
+
+            serving_now[0] = large_state()
+            with pytest.raises(StateError, match="STATE_FINGERPRINT_MISMATCH this peer trains fingerprint fp-test"):
+                await download("fp-other")
+            with pytest.raises(StateError, match=rf"offers {TOTAL} bytes of state, above training.max_state_bytes"):
+                await download(max_bytes=1 << 20)
+            server.max_transfers = 0
+            with pytest.raises(StateError, match="STATE_BUSY already serving 0 transfers"):
+                await download()
+            server.max_transfers = 4
+            assert identical(await download(), large_state())
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("transport", LISTEN)
+def test_a_donor_that_disappears_mid_transfer_is_replaced_by_the_next_which_resumes(transport: str) -> None:
+    state = large_state()
+
+    async def body() -> None:
+        async with peers(LISTEN[transport], donors=2) as (joiner, (first, second)):
+            for donor in (first, second):
+                await StateServer(guard(donor), FINGERPRINT, serving(state)).start()
+            first_id, second_id = str(first.peer_id), str(second.peer_id)
+            pausing = PausingGuard(guard(joiner), first_id, after=2 << 20)
+            downloader = StateDownloader(pausing.as_guard(), FINGERPRINT, TEMPLATE, max_bytes=8 << 20,
+                                         stall_timeout=10.0)
+            task = asyncio.create_task(downloader.download([first_id, second_id]))
+            try:
+                await pausing.paused.wait()  # 2 MiB of the first donor's chunks are in
+                await first.shutdown()
+                pausing.resume.set()
+                assert identical(await task, state)
+            finally:
+                task.cancel()
+            got = downloader.status()["bytes_from"]
+            assert got[first_id] >= 1 << 20 and 0 < got[second_id] < TOTAL
+            assert got[first_id] + got[second_id] == TOTAL  # not a byte twice
+
+    asyncio.run(body())
+
+
+def manifest_variant(how: str) -> pb.StateResponse:
+    state = large_state()
+    if how == "wrong shape":
+        state.tensors["model/embed.weight"] = torch.zeros(1024, 1023)
+    elif how == "wrong dtype":
+        state.tensors["outer/shared"] = state.tensors["outer/shared"].half()
+    return encode_manifest(state, 1 << 20)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+def test_a_hostile_manifest_is_refused_before_its_payload(transport: str) -> None:
+    cases = {
+        "wrong shape": r"offers tensor model/embed.weight as torch.float32 \(1024, 1023\), this peer has .*\(1024, 1024\)",
+        "wrong dtype": "offers tensor outer/shared as torch.float16",
+        "oversized": rf"offers {TOTAL} bytes of state, above training.max_state_bytes \(4194304\)",
+    }
+    how = ["?"]
+
+    async def hostile(info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_message(reader, pb.StateRequest, "joiner")
+        await write_message(writer, manifest_variant(how[0]))
+        try:
+            for _ in range(8):  # and then a payload, which must never be read
+                await write_frame(writer, bytes(1 << 20))
+        except (ConnectionError, OSError):
+            pass
+        await wait_for_close(reader, timeout=30)
+
+    async def body() -> None:
+        async with peers(LISTEN[transport], donors=1) as (joiner, (donor,)):
+            await guard(donor).add_handler(HANDLER_NAME, hostile)
+            donor_id = str(donor.peer_id)
+            for case, match in cases.items():
+                how[0] = case
+                counting = PausingGuard(guard(joiner), donor_id, after=1 << 40)
+                max_bytes = 4 << 20 if case == "oversized" else 8 << 20
+                with pytest.raises(StateError, match=match):
+                    await StateDownloader(counting.as_guard(), FINGERPRINT, TEMPLATE, max_bytes, rounds=1).download(
+                        [donor_id])
+                assert counting.received == 8 + len(manifest_variant(case).SerializeToString())
+
+    asyncio.run(body())

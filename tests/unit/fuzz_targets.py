@@ -15,8 +15,10 @@ import asyncio
 import io
 import math
 import struct
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -42,10 +44,14 @@ from peerd.proto import peerd_membership_pb2 as mpb
 from peerd.proto import peerd_training_pb2 as tpb
 from peerd.swarm.records import parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
+from peerd.training.checkpoint import load_state, save_state
+from peerd.training.download import StateDownloader
+from peerd.training.manifest import byte_view, check_against_template, check_manifest, chunks, encode_manifest
 from peerd.training.progress import ProgressRecord
-from peerd.training.state import pack_state, unpack_state
+from peerd.training.state import TrainingState, pack_state, template_of, unpack_state
 from peerd.wire import codec, handshake
-from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_or_eof, read_message
+from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_into, read_frame_or_eof, read_message
+from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
 
 PID = "12D3KooWPGVdJA78uHzBaDhQwqcrKkim73xy95Amd9qCuoKhvDVB"
@@ -143,16 +149,21 @@ def _frames(case: tuple[int, int, bytes]) -> object:
     elif kind == 1:
         got = run_async(read_frame_or_eof(reader, limit, PID, "fuzz frame"))
         assert got is None and not data or isinstance(got, bytes) and len(got) <= limit
-    else:
+    elif kind == 2:
         got = run_async(read_message(reader, epb.ExpertRequest, PID))
         assert isinstance(got, epb.ExpertRequest)
+    else:  # a state chunk read into a buffer of the size the joiner expects
+        into = bytearray(b"\xaa" * min(limit, 64))
+        run_async(read_frame_into(reader, memoryview(into), PID, "fuzz chunk"))
+        got = bytes(into)
+        assert data[:8] == len(into).to_bytes(8, "little") and got == data[8 : 8 + len(into)]
     return got
 
 
 FRAME_SEEDS = st.lists(st.binary(max_size=64), min_size=1, max_size=3).map(lambda parts: b"".join(map(frame, parts)))
 FRAMES = Target(
     "frames",
-    st.tuples(st.integers(0, 2), st.sampled_from([0, 1, 64, MAX_HEADER_BYTES, 2**40, 2**64]),
+    st.tuples(st.integers(0, 3), st.sampled_from([0, 1, 64, MAX_HEADER_BYTES, 2**40, 2**64]),
               byte_inputs(FRAME_SEEDS)),
     _frames,
     (ProtocolViolation,),
@@ -194,20 +205,123 @@ AVERAGING_SEEDS = _messages(
 AVERAGING = Target("averaging-header", byte_inputs(AVERAGING_SEEDS), _averaging, (DecodeError,))
 
 
-def _state_header(data: bytes) -> object:
-    request = tpb.StateRequest.FromString(data)
-    response = tpb.StateResponse.FromString(data)
-    # download_state's checks: a refusal, or a size bound before the state frame is read
-    accepted = response.code == tpb.STATE_OK and response.payload_bytes <= 2**31
-    assert isinstance(request.fingerprint, str)
-    return accepted
+def _state_manifest(data: bytes) -> object:
+    """What a donor's first answer goes through before a byte of payload: decode, checks, our template."""
+    tpb.StateRequest.FromString(data)  # the donor's side reads these
+    manifest = check_manifest(tpb.StateResponse.FromString(data), PID, max_bytes=1 << 20)
+    check_against_template(manifest, STATE_TEMPLATE, PID)
+    assert manifest.layout == STATE_TEMPLATE and manifest.total_bytes == STATE.nbytes
+    assert manifest.start == (0, 0) or manifest.start[1] < manifest.sizes[manifest.start[0]]
+    return manifest
 
 
-STATE_HEADER_SEEDS = _messages(
-    st.builds(tpb.StateRequest, protocol_version=u32, fingerprint=st.text(max_size=70)),
-    st.builds(tpb.StateResponse, code=st.integers(0, 4), message=st.text(max_size=40), step=u64, payload_bytes=u64),
+@st.composite
+def state_manifests(draw: st.DrawFn) -> tpb.StateResponse:
+    """Our manifest with fields (its own and its tensors') replaced by boundary or arbitrary values."""
+    response = encode_manifest(STATE, draw(st.sampled_from([4096, 1 << 20]) | u32))
+    for _ in range(draw(st.integers(0, 3))):
+        field = draw(st.sampled_from(["step", "protocol_version", "total_bytes", "chunk_bytes", "start_tensor",
+                                      "start_offset", "code", "name", "dtype", "shape", "nbytes", "drop", "add"]))
+        info = response.tensors[draw(st.integers(0, len(response.tensors) - 1))]
+        number = draw(st.sampled_from(BOUNDARY_INTS) | st.integers(0, 300))
+        if field in ("protocol_version", "chunk_bytes", "start_tensor", "code", "dtype"):
+            setattr(info if field == "dtype" else response, field, number % 2**31 if field in ("code", "dtype")
+                    else number % 2**32)
+        elif field in ("step", "total_bytes", "start_offset"):
+            setattr(response, field, number % 2**64)
+        elif field == "nbytes":
+            info.nbytes = number % 2**64
+        elif field == "name":
+            info.name = draw(st.sampled_from(list(STATE.tensors)) | st.text(max_size=12))
+        elif field == "shape":
+            info.shape[:] = draw(st.lists(st.sampled_from(BOUNDARY_INTS) | st.integers(0, 8), max_size=9))
+        elif field == "drop" and len(response.tensors) > 1:
+            del response.tensors[0]
+        elif field == "add":
+            response.tensors.add().CopyFrom(info)
+    return response
+
+
+STATE_MANIFEST_SEEDS = _messages(
+    state_manifests(),
+    st.builds(tpb.StateRequest, protocol_version=u32, fingerprint=st.text(max_size=70), manifest_only=st.booleans(),
+              resume=st.builds(tpb.ResumePoint, step=u64, layout=st.binary(max_size=40), tensor=u32, offset=u64)),
 )
-STATE_HEADER = Target("state-header", byte_inputs(STATE_HEADER_SEEDS), _state_header, (DecodeError,))
+
+
+# --- training state: the joiner's whole download, and checkpoint files -------------------------------------------
+
+FINGERPRINT = "0123abcd"
+STATE = TrainingState(7, {
+    "model/0.weight": torch.randn(3000, generator=torch.Generator().manual_seed(0)),  # 3 chunks of 4096 bytes
+    "model/0.bias": torch.ones(3, dtype=torch.bfloat16),
+    "inner/0/step": torch.tensor(2.0),
+    "outer/mask": torch.tensor([True, False]),
+    "outer/empty": torch.empty(0, 2),
+    "outer/count": torch.tensor([3], dtype=torch.int64),
+})
+STATE_TEMPLATE = template_of(STATE)
+
+
+def donor_stream(response: tpb.StateResponse) -> bytes:
+    """What a donor sends for ``response``: the manifest, then the payload frames its fields imply (as far as
+    they make sense: a fuzzed manifest gets our state's bytes, cut as it says)."""
+    views = [byte_view(t) for t in STATE.tensors.values()]
+    sizes = tuple(len(v) for v in views)
+    chunk = min(max(response.chunk_bytes, 1), 1 << 16)
+    start = (response.start_tensor, response.start_offset) if response.start_tensor < len(sizes) else (0, 0)
+    payload = [bytes(views[i][at : at + length]) for i, at, length in chunks(sizes, start, chunk)]
+    return b"".join(map(frame, [response.SerializeToString(), *payload]))
+
+
+VALID_STREAM = donor_stream(encode_manifest(STATE, 4096))
+
+
+class _DonorGuard:
+    """StreamGuard.open for a donor that has already said everything in ``data``."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def open(self, peer: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return _reader(self.data), cast(asyncio.StreamWriter, _Writer())
+
+
+def _state_download(data: bytes) -> object:
+    downloader = StateDownloader(cast(StreamGuard, _DonorGuard(data)), FINGERPRINT, STATE_TEMPLATE, 1 << 20,
+                                 stall_timeout=5.0, rounds=1)
+    # one donor's fetch, so that an error it does not document surfaces here instead of in the download's log
+    run_async(downloader._fetch(PID, 0))
+    status = downloader.status()
+    assert status["bytes_done"] == STATE.nbytes and status["bytes_from"] == {PID: STATE.nbytes}
+    state = run_async(downloader.download([PID]))  # the same bytes again: now through the final check
+    assert state.step >= 0 and template_of(state) == STATE_TEMPLATE
+    return state
+
+
+STATE_DOWNLOAD = Target(
+    "state-download",
+    st.binary(max_size=256) | mutated(st.just(VALID_STREAM)) | state_manifests().map(donor_stream)
+    | mutated(state_manifests().map(donor_stream), max_ops=2),
+    _state_download,
+    (StateError, ProtocolViolation),
+)
+STATE_MANIFEST = Target(
+    "state-manifest",
+    byte_inputs(STATE_MANIFEST_SEEDS) | state_manifests().map(lambda m: m.SerializeToString()),
+    _state_manifest,
+    (DecodeError, ProtocolViolation, StateError),
+)
+
+
+def _state_file_bytes() -> bytes:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "state.pt"
+        save_state(path, STATE, FINGERPRINT)
+        return path.read_bytes()
+
+
+VALID_STATE_FILE = _state_file_bytes()
 
 
 # --- expert requests: header, its checks, then the payload decode the batch queue does ---------------------------
@@ -408,9 +522,48 @@ EXPERT_RECORD = Target(
 )
 
 
-# --- training state blobs ---------------------------------------------------------------------------------------
+@st.composite
+def state_files(draw: st.DrawFn) -> bytes:
+    """A valid checkpoint file with parts of its dict replaced (tensors included), saved with torch.save."""
+    return _replaced_parts(draw, torch.load(io.BytesIO(VALID_STATE_FILE), weights_only=True))
 
-FINGERPRINT = "0123abcd"
+
+def _replaced_parts(draw: st.DrawFn, state: dict[str, Any]) -> bytes:
+    for _ in range(draw(st.integers(1, 3))):
+        node: Any = state
+        path = []
+        while isinstance(node, dict) and node and draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(node, key=str)))
+            path.append(key)
+            node = node[key]
+        if not path:
+            continue
+        parent = state
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = draw(_state_values)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _state_file(blob: bytes) -> object:
+    state = load_state(io.BytesIO(blob), STATE_TEMPLATE, FINGERPRINT, source="fuzz")
+    assert type(state.step) is int and template_of(state) == STATE_TEMPLATE
+    return state
+
+
+STATE_FILE = Target(
+    "state-file",
+    st.binary(max_size=256) | mutated(st.just(VALID_STATE_FILE)) | state_files(),
+    _state_file,
+    (StateError,),
+)
+
+
+# --- TRANSITION: version-1 training state blobs, read by trainer.py until it uses TrainingStates; delete with them
+
+
 
 
 def _state_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -433,23 +586,7 @@ _state_values = values | st.builds(
 @st.composite
 def state_dicts(draw: st.DrawFn) -> bytes:
     """A valid state with parts replaced (anywhere in the tree, tensors included), saved with torch.save."""
-    state = torch.load(io.BytesIO(VALID_STATE), weights_only=True)
-    for _ in range(draw(st.integers(1, 3))):
-        node: Any = state
-        path = []
-        while isinstance(node, dict) and node and draw(st.booleans()):
-            key = draw(st.sampled_from(sorted(node, key=str)))
-            path.append(key)
-            node = node[key]
-        if not path:
-            continue
-        parent = state
-        for key in path[:-1]:
-            parent = parent[key]
-        parent[path[-1]] = draw(_state_values)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+    return _replaced_parts(draw, torch.load(io.BytesIO(VALID_STATE), weights_only=True))
 
 
 def _snapshot() -> list[torch.Tensor]:
@@ -588,5 +725,5 @@ SIGNED_RECORD = Target(
     (ProtocolViolation,),
 )
 
-TARGETS = [FRAMES, AVERAGING, STATE_HEADER, EXPERT_REQUEST, CODEC, PEER_RECORD, PROGRESS_RECORD, MATCHMAKING,
-           EXPERT_RECORD, STATE_BLOB, HANDSHAKE, SIGNED_RECORD]
+TARGETS = [FRAMES, AVERAGING, STATE_MANIFEST, STATE_DOWNLOAD, EXPERT_REQUEST, CODEC, PEER_RECORD, PROGRESS_RECORD,
+           MATCHMAKING, EXPERT_RECORD, STATE_FILE, STATE_BLOB, HANDSHAKE, SIGNED_RECORD]
