@@ -103,6 +103,13 @@ class OuterState:
                 t.copy_(part)
         self.fold()
 
+    def load_named(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Loads :meth:`named`'s tensors from a checked state; the next phase is measured from theta."""
+        with torch.no_grad():
+            for name, live in self.named().items():
+                live.copy_(tensors[name])
+            self.anchor.copy_(self.shared)
+
     def named(self) -> dict[str, torch.Tensor]:
         tensors = {SHARED: self.shared}
         if self.momentum is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ class TrainingReport:
     # seconds in forward, backward and (diloco) inner optimizer steps, and since the first of them
     compute_seconds: float = 0.0
     _first_compute: float | None = None
+    # the state transfers' live progress (downloads as a joiner, serving as a donor), read when reporting
+    transfers: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
@@ -179,4 +182,5 @@ class TrainingReport:
             "clipped_peers": dict(self.clipped_peers),
             "traffic": {kind: dict(entry) for kind, entry in self.traffic.items()},
             "round_durations": self.round_durations.as_dict(),
+            "state_transfer": self.transfers() if self.transfers is not None else None,
         }

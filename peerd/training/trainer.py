@@ -25,14 +25,15 @@ from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
 from peerd.errors import ConfigError, GroupFailed, PeerdError, StateError
 from peerd.swarm.node import SwarmNode
-from peerd.training import lockstep
+from peerd.training import lockstep, snapshot
 from peerd.training.checkpoint import Checkpointer
+from peerd.training.download import StateDownloader
 from peerd.training.local import LocalModel
 from peerd.training.outer import OuterState
 from peerd.training.progress import ProgressTracker, SwarmProgress
 from peerd.training.report import TrainingReport
-from peerd.training.state import pack_state, unpack_state
-from peerd.training.sync import StateServer, download_state
+from peerd.training.state import TrainingState
+from peerd.training.sync import StateServer
 from peerd.training.tasks import Batch, Task
 from peerd.wire.codec import all_finite
 from peerd.wire.guard import StreamGuard
@@ -83,6 +84,9 @@ class CollaborativeTrainer:
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision)
+        self._template = snapshot.template(self.local, self.outer)
+        self.downloader = StateDownloader(guard, task.fingerprint, self._template, config.max_state_bytes)
+        self.report.transfers = lambda: {"download": self.downloader.status(), "serve": self.state_server.status()}
         self.step = 0
         self.samples = 0
         self._step_lock = asyncio.Lock()
@@ -90,9 +94,10 @@ class CollaborativeTrainer:
 
     async def start(self) -> None:
         if self.config.resume and self.checkpointer is not None:
-            step = await asyncio.to_thread(self.checkpointer.resume, self.local.model, self.local.optimizer,
-                                         self.task.fingerprint)
-            self.step = step or 0
+            state = await asyncio.to_thread(self.checkpointer.resume, self._template, self.task.fingerprint)
+            if state is not None:
+                await asyncio.to_thread(snapshot.restore, self.local, self.outer, state)
+                self.step = state.step
         for server in (self.reducer, self.state_server):
             await server.start()
         await self._publish()
@@ -282,8 +287,9 @@ class CollaborativeTrainer:
 
     async def _checkpoint(self) -> None:
         assert self.checkpointer is not None
-        blob = await self._pack()
-        path = await asyncio.to_thread(self.checkpointer.save, blob, self.step)
+        async with self._step_lock:
+            state = await asyncio.to_thread(snapshot.capture, self.local, self.outer, self.step)
+        path = await asyncio.to_thread(self.checkpointer.save, state, self.task.fingerprint)
         logger.info("Checkpoint %s", path)
 
     # --- diloco: outer rounds -----------------------------------------------------------------------------------
@@ -374,44 +380,54 @@ class CollaborativeTrainer:
         except PeerdError as e:
             logger.info("State averaging at step %d skipped: %s", step, e)
 
-    async def _pack(self) -> bytes:
-        async with self._step_lock:
-            return await asyncio.to_thread(pack_state, self.local.model, self.local.optimizer, self.step,
-                                           self.task.fingerprint)
-
-    async def _serve_state(self) -> tuple[int, bytes] | None:
-        return self.step, await self._pack()
+    async def _serve_state(self) -> TrainingState | None:
+        """A copy of the state for a joiner. In diloco mode, once the round in flight (if any) has landed: the
+        joiner starts the current phase from the shared parameters that round produced."""
+        for _ in range(3):  # a new round may start while we wait for the lock; it lands within its timeouts
+            pending = self._pending
+            if pending is not None and not pending.done():
+                try:
+                    await asyncio.shield(pending)
+                except Exception:  # noqa: BLE001 - the trainer reports its own round's failure
+                    return None
+            async with self._step_lock:
+                if self._pending is None or self._pending.done():
+                    return await asyncio.to_thread(snapshot.capture, self.local, self.outer, self.step, True)
+        return None
 
     async def _sync_from_swarm(self) -> bool:
-        """Loads the state of a peer ahead of us; False if none could provide it."""
-        view = self.progress.view
-        candidates = sorted(
-            (p for peer, p in view.peers.items() if peer != self.swarm.peer_id and p.step > self.step),
-            key=lambda p: -p.step,
-        )
-        for record in candidates:
-            try:
-                step, blob = await download_state(
-                    self.guard, record.peer_id, self.task.fingerprint, self.config.max_state_bytes, timeout=60.0
-                )
-                async with self._step_lock:
-                    await asyncio.to_thread(
-                        unpack_state, blob, self.local.model, self.local.optimizer, self.task.fingerprint,
-                        record.peer_id,
-                    )
-                    self.step, self.samples = step, 0
-                    self.report.record_traffic("state_sync", 0, len(blob))
-                    self.local.drop_gradients()
-                    self.local.forget_residuals()
-                self.report.step = self.step
-                self.report.state_syncs += 1
-                logger.info("Loaded training state at step %d from %s", step, record.peer_id)
-                await self._publish()
-                return True
-            except StateError as e:
-                logger.warning("State sync failed: %s", e)
-        logger.warning("Could not load state from any peer ahead of us; training on from step %d", self.step)
-        return False
+        """Loads the state of a peer ahead of us (resuming with another when one leaves mid-transfer); False if
+        none could provide it."""
+        def candidates() -> list[str]:
+            view = self.progress.view
+            ahead = [p for peer, p in view.peers.items() if peer != self.swarm.peer_id and p.step > self.step]
+            return [p.peer_id for p in sorted(ahead, key=lambda p: -p.step)]
+
+        async def refresh() -> list[str]:
+            await self.progress.refresh()
+            return candidates()
+
+        self.report.state = "syncing"
+        try:
+            state = await self.downloader.download(candidates(), refresh, min_step=self.step + 1)
+        except StateError as e:
+            logger.warning("Could not load state from any peer ahead of us; training on from step %d: %s",
+                           self.step, e)
+            return False
+        if self._pending is not None:  # its update belongs to the phase the donor's state already contains
+            self._pending.cancel()
+            self._pending, self.report.outer_pending = None, False
+        async with self._step_lock:
+            await asyncio.to_thread(snapshot.restore, self.local, self.outer, state)
+            self.step, self.samples, self.report.inner_steps = state.step, 0, 0
+            self.local.drop_gradients()
+            self.local.forget_residuals()
+        self.report.record_traffic("state_sync", 0, state.nbytes)
+        self.report.step = self.step
+        self.report.state_syncs += 1
+        logger.info("Loaded training state at step %d from %s", state.step, ", ".join(self.downloader.bytes_from))
+        await self._publish()
+        return True
 
     # --- progress ---------------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from peerd.config import TaskConfig, TrainingConfig
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.training.local import make_optimizer
 from peerd.training.tasks import build_task
-from tests.conftest import REPO
+from tests.conftest import REPO, model_in_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +101,7 @@ def test_two_peers_in_lockstep_average_fixed_shares_every_step(swarm: LocalSwarm
         history = rounds(peer)
         assert [r["step"] for r in history] == list(range(STEPS))
         assert all(r["group_size"] == 2 and r["samples"] == SHARE for r in history), history
-    finals = [torch.load(path, weights_only=True)["model"] for path in checkpoints]
+    finals = [model_in_checkpoint(path) for path in checkpoints]
     expected = reference_parameters(shards)
     for name, tensor in expected.items():
         assert torch.equal(finals[0][name], finals[1][name]), f"{name} differs between the peers"

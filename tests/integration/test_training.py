@@ -13,7 +13,7 @@ import torch
 from peerd.config import TaskConfig
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.training.tasks import build_task
-from tests.conftest import REPO
+from tests.conftest import REPO, model_in_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -66,8 +66,7 @@ def test_three_peers_converge_to_the_optimum_with_identical_parameters(swarm: Lo
         assert per_element < 1.2, (per_element, report)
         path = tmp_path / peer.name / f"ckpt-{steps:09d}.pt"
         wait_for(path.is_file, 30, f"{peer.name}'s checkpoint (written after validation)", 0.2)
-        checkpoint = torch.load(path, weights_only=True)
-        finals.append(checkpoint["model"])
+        finals.append(model_in_checkpoint(path))
     for final in finals:
         error = (final["weight"] - task.optimum["weight"]).norm() / task.optimum["weight"].norm()
         assert error < 0.05, f"did not converge: relative error {float(error):.3f}"
