@@ -81,3 +81,53 @@ def test_a_killed_peer_stalls_the_others_no_longer_than_a_round_timeout(swarm: L
         assert report["last_round"]["group_size"] == 2, report
         assert report["loss"] is not None and math.isfinite(report["loss"])
     assert [p.stop() for p in survivors] == [0, 0]
+
+
+@pytest.mark.timeout(300)
+def test_a_late_joiner_gets_the_outer_state_and_its_first_phase_counts(swarm: LocalSwarm) -> None:
+    swarm.extra_args[swarm.extra_args.index("training.wait_for_peers=3")] = "training.wait_for_peers=2"
+    # phases of several seconds, as real ones are, rather than a fraction of one: a joiner then meets the
+    # others' round instead of racing their matchmaking windows
+    swarm.extra_args[swarm.extra_args.index("training.diloco.inner_steps=10")] = "training.diloco.inner_steps=60"
+    swarm.start(2)
+    wait_for(lambda: all_reached(swarm.peers, "step", 3), 180, "the first two peers to reach phase 3", 0.5)
+    late = swarm.add_peer()
+    report = training(late)
+    assert report["state_syncs"] >= 1, report
+    loaded = [line for line in late.log_path.read_text().splitlines() if "Loaded training state at step" in line]
+    assert loaded, late.log_tail()
+    assert int(loaded[0].split("at step ")[1].split()[0]) >= 3  # the swarm's phase, not 0
+    transfer = report["state_transfer"]["download"]
+    assert transfer["state"] == "done" and transfer["bytes_done"] == transfer["bytes_total"] > 0, transfer
+    # its first phase is averaged with the others', never stepped alone
+    wait_for(lambda: training(late)["rounds_ok"] >= 2, 120, "the joiner's first outer rounds", 0.5)
+    report = training(late)
+    assert report["rounds_solo"] == 0 and report["group_sizes"].get("3", 0) >= 1, report
+    assert report["loss"] < LN_256 - 1.0, report  # it continued from the swarm's model
+    assert swarm.stop() == [0, 0, 0]
+
+
+@pytest.mark.timeout(240)
+def test_resume_restores_the_phase_and_the_outer_state(tmp_path: Path) -> None:
+    args = ["--config", str(LM), *ARGS, "-o", "training.wait_for_peers=1",
+            "-o", f"training.checkpoint.directory={tmp_path / 'ck'}", "-o", "training.checkpoint.every_steps=2"]
+    first = PeerProcess("first", [*args, "-o", "training.max_steps=4"], tmp_path)
+    try:
+        first.wait_ready(60)
+        wait_for(lambda: training(first)["state"] == "idle", 120, "4 phases alone", 0.5)
+        before = training(first)
+        assert first.stop() == 0
+    finally:
+        first.kill()
+    assert (tmp_path / "ck" / "ckpt-000000004.pt").is_file()
+    second = PeerProcess("second", [*args, "-o", "training.max_steps=6", "--resume"], tmp_path)
+    try:
+        second.wait_ready(60)
+        assert training(second)["phase"] >= 4  # not back at phase 0
+        assert "Resumed from" in second.log_path.read_text()
+        wait_for(lambda: training(second)["state"] == "idle", 120, "2 more phases", 0.5)
+        after = training(second)
+        assert after["phase"] == 6 and after["validation_loss"] < before["validation_loss"] + 0.05, (before, after)
+        assert second.stop() == 0
+    finally:
+        second.kill()
