@@ -17,8 +17,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-import torch
-
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import Matchmaker
@@ -30,6 +28,7 @@ from peerd.training.checkpoint import Checkpointer
 from peerd.training.download import StateDownloader
 from peerd.training.local import LocalModel
 from peerd.training.outer import OuterState
+from peerd.training.phases import OuterRounds
 from peerd.training.progress import ProgressTracker, SwarmProgress
 from peerd.training.report import TrainingReport
 from peerd.training.state import TrainingState
@@ -69,9 +68,9 @@ class CollaborativeTrainer:
         self.swarm = swarm
         self.guard = guard
         self.local = LocalModel(config, task, error_feedback=averaging.codec.error_feedback)
-        # diloco: the shared parameters and outer optimizer; the previous phase's round while it is in flight
+        # diloco: the shared parameters and outer optimizer, and the phases' outer rounds
         self.outer = OuterState(config.diloco, self.local) if config.mode == "diloco" else None
-        self._pending: asyncio.Future[None] | None = None
+        self.rounds = OuterRounds(self, self.outer) if self.outer is not None else None
         # diloco: a peer one phase ahead has just ended the phase we are in; only further ahead means behind
         self._ahead_ok = 1 if self.outer is not None else 0
         self.prefix = f"{run_name}.{task.fingerprint}"
@@ -89,7 +88,7 @@ class CollaborativeTrainer:
         self.report.transfers = lambda: {"download": self.downloader.status(), "serve": self.state_server.status()}
         self.step = 0
         self.samples = 0
-        self._step_lock = asyncio.Lock()
+        self.step_lock = asyncio.Lock()
         self._batches: Iterator[Batch] = task.train_batches()
 
     async def start(self) -> None:
@@ -100,7 +99,7 @@ class CollaborativeTrainer:
                 self.step = state.step
         for server in (self.reducer, self.state_server):
             await server.start()
-        await self._publish()
+        await self.publish()
         await self.progress.refresh()
         if self.config.sync_state_on_join and self.progress.view.max_step > self.step:
             await self._sync_from_swarm()
@@ -121,12 +120,12 @@ class CollaborativeTrainer:
             await self._wait_for_peers(stop)
             while not stop.is_set():
                 if self.config.max_steps is not None and self.step >= self.config.max_steps:
-                    if self.outer is not None:  # the last phase's round, then its result on disk
-                        await self._land_pending()
+                    if self.rounds is not None:  # the last phase's round, then its result on disk
+                        await self.rounds.land()
                         if self.checkpointer is not None:
-                            await self._checkpoint()
+                            await self.checkpoint()
                     if self.report.validation_step != self.step or self.outer is not None:
-                        await self._validate()  # e.g. the last step came from a state sync
+                        await self.validate()  # e.g. the last step came from a state sync
                     self.report.state = "idle"
                     await stop.wait()
                     break
@@ -148,8 +147,8 @@ class CollaborativeTrainer:
                     await self._global_step(expected=max(1, len(view.peers)))
         finally:
             publisher.cancel()
-            if self._pending is not None:
-                self._pending.cancel()
+            if self.rounds is not None:
+                self.rounds.cancel()
 
     def _batch_complete(self, view: SwarmProgress) -> bool:
         """Sync: the swarm has target_batch_size samples at this step. Diloco: the trainers at this phase have
@@ -176,7 +175,7 @@ class CollaborativeTrainer:
 
     async def _micro_step(self) -> None:
         batch = next(self._batches)
-        async with self._step_lock:  # diloco: a landing outer update must not move the weights mid-step
+        async with self.step_lock:  # diloco: a landing outer update must not move the weights mid-step
             started = time.monotonic()
             loss, samples, refused = await asyncio.to_thread(self._compute, batch)
             elapsed = time.monotonic() - started
@@ -207,7 +206,7 @@ class CollaborativeTrainer:
         """Waits (bounded) until every trainer at this step, or finishing the previous one, has its share;
         returns how many trainers at this step have theirs, this one included (the expected group size)."""
         self.report.state = "waiting"
-        await self._publish()  # the others may be waiting for exactly this record
+        await self.publish()  # the others may be waiting for exactly this record
         me = self.swarm.peer_id
         deadline = time.monotonic() + self.config.lockstep_timeout
         while True:
@@ -227,7 +226,7 @@ class CollaborativeTrainer:
             ready += sum(1 for peer, p in view.peers.items() if peer != me and p.step == self.step + 1)
         return ready
 
-    async def _ordered(self, group: Group) -> Group:
+    async def ordered(self, group: Group) -> Group:
         """In lockstep mode, the group's members in shard order (the same ranks in every run); else as is."""
         if self.lockstep is None:
             return group
@@ -241,11 +240,11 @@ class CollaborativeTrainer:
         """``expected``: trainers currently active with our fingerprint, this one included. While others are
         active we always try to average with them (the leader waits for them up to the matchmaking window)
         rather than step alone; a solo step happens only when no one else is training or no group formed."""
-        if self.outer is not None:
-            await self._outer_step(expected)
+        if self.rounds is not None:
+            await self.rounds.end_phase(expected)
             return
         self.report.state = "averaging"
-        await self._publish()  # others see at once that the batch is complete and join the round
+        await self.publish()  # others see at once that the batch is complete and join the round
         weight = float(self.samples)
         local = await asyncio.to_thread(self.local.flat_mean_grad, weight)
         if not all_finite([local]):
@@ -258,7 +257,7 @@ class CollaborativeTrainer:
         try:
             if expected < 2:
                 raise GroupFailed("no other peer is at this step")
-            group = await self._ordered(await self.matchmaker.form_group(key, expected))
+            group = await self.ordered(await self.matchmaker.form_group(key, expected))
             averaged, round_report = await self.reducer.all_reduce(
                 group, local, weight, self.local.residual, average_residual=self.local.average_residual,
                 out=self.local.averaged,
@@ -268,7 +267,7 @@ class CollaborativeTrainer:
             logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
             averaged = local
             self.report.rounds_solo += 1
-        async with self._step_lock:
+        async with self.step_lock:
             refused = await asyncio.to_thread(self.local.apply, averaged)
             if refused is not None:
                 # every member of the round got the same update and refuses it too: steps stay in agreement
@@ -277,90 +276,29 @@ class CollaborativeTrainer:
             self.step += 1
             self.samples = 0
         self.report.step = self.step
-        await self._publish()
+        await self.publish()
         if self.config.state_averaging_every and self.step % self.config.state_averaging_every == 0:
-            await self._average_state(self.step)
+            await self.average_state(self.step)
         if self.step % self.config.validation_every == 0:
-            await self._validate()
+            await self.validate()
         if self.checkpointer is not None and self.step % self.config.checkpoint.every_steps == 0:
-            await self._checkpoint()
+            await self.checkpoint()
 
-    async def _checkpoint(self) -> None:
+    async def checkpoint(self) -> None:
         assert self.checkpointer is not None
-        async with self._step_lock:
+        async with self.step_lock:
             state = await asyncio.to_thread(snapshot.capture, self.local, self.outer, self.step)
         path = await asyncio.to_thread(self.checkpointer.save, state, self.task.fingerprint)
         logger.info("Checkpoint %s", path)
 
-    # --- diloco: outer rounds -----------------------------------------------------------------------------------
-
-    async def _outer_step(self, expected: int) -> None:
-        """Ends this phase: its pseudo-gradient goes to an outer round (in the background with overlap, the
-        next phase computing meanwhile; at most one round in flight) and the phase counter moves on."""
-        assert self.outer is not None
-        outer = self.outer
-        await self._land_pending()
-        if self.checkpointer is not None and self.step and self.step % self.config.checkpoint.every_steps == 0:
-            await self._checkpoint()  # between rounds: the shared parameters and the anchor agree
-        self.report.state = "averaging"
-        await self._publish()  # the others see at once that this peer's share is complete
-        phase, weight = self.step, float(self.samples)
-        async with self._step_lock:
-            pseudo = await asyncio.to_thread(outer.end_phase)
-            self.step, self.samples, self.report.inner_steps = phase + 1, 0, 0
-        self.report.step = self.step
-        outer_round = self._outer_round(phase, pseudo, weight, expected)
-        if self.config.diloco.overlap:
-            self._pending = asyncio.ensure_future(outer_round)
-            self.report.outer_pending = True
-        else:
-            await outer_round
-        await self._publish()
-        last = self.config.max_steps is not None and self.step >= self.config.max_steps
-        if self.step % self.config.validation_every == 0 and not last:  # the last one follows its round
-            await self._validate()
-
-    async def _outer_round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: int) -> None:
-        assert self.outer is not None
-        try:
-            if expected < 2:
-                raise GroupFailed("no other peer is at this phase")
-            group = await self._ordered(await self.matchmaker.form_group(f"{self.prefix}.outer.{phase}", expected))
-            averaged, round_report = await self.reducer.all_reduce(
-                group, pseudo, weight, self.local.residual, average_residual=self.local.average_residual,
-                out=self.outer.averaged,
-            )
-            self.report.record_round(round_report, samples=int(weight))
-        except PeerdError as e:  # no group, or the DHT did not answer in time: this phase's update goes alone
-            logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Phase %d without averaging: %s", phase, e)
-            averaged = pseudo
-            self.report.rounds_solo += 1
-        async with self._step_lock:
-            refused = await asyncio.to_thread(self.outer.step, averaged)
-        if refused is not None:
-            logger.error("Phase %d: outer update not applied: %s", phase, refused)
-            self.report.steps_refused += 1
-        every = self.config.state_averaging_every
-        if every and (phase + 1) % every == 0:
-            await self._average_state(phase + 1)
-
-    async def _land_pending(self) -> None:
-        """Waits for the previous phase's round (bounded by matchmaking and round timeouts) to be folded in."""
-        if self._pending is None:
-            return
-        try:
-            await self._pending
-        finally:
-            self._pending, self.report.outer_pending = None, False
-
-    async def _validate(self) -> None:
+    async def validate(self) -> None:
         self.report.validation_loss = await asyncio.to_thread(self.local.validation_loss)
         self.report.validation_step = self.step
         logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
     # --- state: averaging, serving, syncing -------------------------------------------------------------------
 
-    async def _average_state(self, step: int) -> None:
+    async def average_state(self, step: int) -> None:
         """Averages, losslessly, what members must agree on: sync mode's parameters and optimizer slots, or
         diloco's shared parameters and outer momentum (inner optimizers stay each peer's own)."""
         key = f"{self.prefix}.state.{step}"
@@ -368,8 +306,8 @@ class CollaborativeTrainer:
         if expected < 2:
             return
         try:
-            group = await self._ordered(await self.matchmaker.form_group(key, expected))
-            async with self._step_lock:
+            group = await self.ordered(await self.matchmaker.form_group(key, expected))
+            async with self.step_lock:
                 flat = self.outer.flat() if self.outer is not None else self.local.flat_state()
                 averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
                 self.report.record_traffic("state", state_round.bytes_sent, state_round.bytes_received)
@@ -384,14 +322,10 @@ class CollaborativeTrainer:
         """A copy of the state for a joiner. In diloco mode, once the round in flight (if any) has landed: the
         joiner starts the current phase from the shared parameters that round produced."""
         for _ in range(3):  # a new round may start while we wait for the lock; it lands within its timeouts
-            pending = self._pending
-            if pending is not None and not pending.done():
-                try:
-                    await asyncio.shield(pending)
-                except Exception:  # noqa: BLE001 - the trainer reports its own round's failure
-                    return None
-            async with self._step_lock:
-                if self._pending is None or self._pending.done():
+            if self.rounds is not None and not await self.rounds.settled():
+                return None
+            async with self.step_lock:
+                if self.rounds is None or not self.rounds.in_flight:
                     return await asyncio.to_thread(snapshot.capture, self.local, self.outer, self.step, True)
         return None
 
@@ -414,10 +348,10 @@ class CollaborativeTrainer:
             logger.warning("Could not load state from any peer ahead of us; training on from step %d: %s",
                            self.step, e)
             return False
-        if self._pending is not None:  # its update belongs to the phase the donor's state already contains
-            self._pending.cancel()
-            self._pending, self.report.outer_pending = None, False
-        async with self._step_lock:
+        if self.rounds is not None:  # its update belongs to a phase the donor's state already contains; it
+            await self.rounds.settled()  # may be applying it right now (a thread that cannot be cancelled)
+            self.rounds.cancel()
+        async with self.step_lock:
             await asyncio.to_thread(snapshot.restore, self.local, self.outer, state)
             self.step, self.samples, self.report.inner_steps = state.step, 0, 0
             self.local.drop_gradients()
@@ -426,18 +360,18 @@ class CollaborativeTrainer:
         self.report.step = self.step
         self.report.state_syncs += 1
         logger.info("Loaded training state at step %d from %s", state.step, ", ".join(self.downloader.bytes_from))
-        await self._publish()
+        await self.publish()
         return True
 
     # --- progress ---------------------------------------------------------------------------------------------
 
-    async def _publish(self) -> None:
+    async def publish(self) -> None:
         await self.progress.publish(self.step, self.samples, self.report.samples_per_second)
         self.report.swarm_samples_per_second = self.progress.view.samples_per_second
 
     async def _publish_periodically(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self._publish()
+            await self.publish()
             await self.progress.refresh()
             self.report.peers_training = len(self.progress.view.peers)
             self.report.foreign_peers = dict(self.progress.view.foreign)
