@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +60,19 @@ def check_state(state: TrainingState, template: Template, source: str) -> None:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise StateError(f"{source}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} "
                              f"{shape}", source=source)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not _all(tensor, lambda part: torch.isfinite(part).all()):
             raise StateError(f"{source}: tensor {name} holds NaN or Inf", source=source)
         # a bool tensor built from foreign bytes may hold other values than 0 and 1: torch's behaviour on
         # those is undefined
-        if tensor.dtype == torch.bool and bool((tensor.view(torch.uint8) > 1).any()):
+        if tensor.dtype == torch.bool and not _all(tensor.view(torch.uint8), lambda part: (part <= 1).all()):
             raise StateError(f"{source}: tensor {name} holds booleans other than 0 and 1", source=source)
+
+
+def _all(tensor: torch.Tensor, test: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """``test`` holds for every slice of ``tensor``: slices of 256K elements keep the temporaries torch makes
+    (an isfinite of a 1 GB tensor makes several hundred MB of them) small."""
+    flat, step = tensor.reshape(-1), 1 << 18
+    return all(bool(test(flat[at : at + step])) for at in range(0, flat.numel(), step))
 
 
 def _names(names: list[Any]) -> str:
