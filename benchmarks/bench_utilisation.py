@@ -210,8 +210,7 @@ def run_row(lab: NetnsLab, mode: str, args: argparse.Namespace, index: int) -> R
                     result.end = status
             if all(r.end is not None for r in row.peers) and row.wall == 0.0:
                 row.wall = time.monotonic() - started
-            done = row.wall and all(((s or {}).get("training") or {}).get("validation_step") == steps
-                                    for s in statuses)
+            done = row.wall and all(_validated(s, steps) for s in statuses)
             if done:
                 row.peers = [PeerResult(r.end, s) for r, s in zip(row.peers, statuses, strict=True)]
                 break
@@ -248,6 +247,13 @@ def _status(peer: NetnsPeer) -> dict[str, Any] | None:
         return peer.status(timeout=5.0)
     except PeerdError:
         return None
+
+
+def _validated(status: dict[str, Any] | None, steps: int) -> bool:
+    """The final validation is done: 'idle' comes after it (a diloco peer may validate at the last phase's end
+    and again once its round landed)."""
+    training = (status or {}).get("training") or {}
+    return training.get("validation_step") == steps and training.get("state") == "idle"
 
 
 def _progress(status: dict[str, Any] | None) -> str:
