@@ -46,6 +46,7 @@ class TrainingReport:
     # seconds in forward, backward and (diloco) inner optimizer steps, and since the first of them
     compute_seconds: float = 0.0
     _first_compute: float | None = None
+    _stopped: float | None = None
     # the state transfers' live progress (downloads as a joiner, serving as a donor), read when reporting
     transfers: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
@@ -85,9 +86,14 @@ class TrainingReport:
             self._first_compute = time.monotonic() - seconds
         self.compute_seconds += seconds
 
+    def stop_clock(self) -> None:
+        """Training is over (max_steps): wall_seconds, and with it utilisation, stop growing."""
+        self._stopped = time.monotonic()
+
     @property
     def wall_seconds(self) -> float:
-        return time.monotonic() - self._first_compute if self._first_compute is not None else 0.0
+        end = self._stopped if self._stopped is not None else time.monotonic()
+        return end - self._first_compute if self._first_compute is not None else 0.0
 
     def record_round(self, report: RoundReport, samples: int | None = None) -> None:
         """``samples``: what this peer contributed to the round (its weight in the average)."""

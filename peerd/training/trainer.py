@@ -127,6 +127,7 @@ class CollaborativeTrainer:
                     if self.report.validation_step != self.step or self.outer is not None:
                         await self.validate()  # e.g. the last step came from a state sync
                     self.report.state = "idle"
+                    self.report.stop_clock()  # utilisation covers the training, not the idle time after it
                     await stop.wait()
                     break
                 if self.lockstep is None or self.samples < self.lockstep:
@@ -292,7 +293,8 @@ class CollaborativeTrainer:
         logger.info("Checkpoint %s", path)
 
     async def validate(self) -> None:
-        self.report.validation_loss = await asyncio.to_thread(self.local.validation_loss)
+        async with self.step_lock:  # a diloco round landing meanwhile would change the weights mid-pass
+            self.report.validation_loss = await asyncio.to_thread(self.local.validation_loss)
         self.report.validation_step = self.step
         logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
