@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import IO, Any, overload
+from typing import IO, Any
 
 import torch
 
 from peerd.config import CheckpointConfig
 from peerd.errors import StateError
-from peerd.training.state import Template, TrainingState, check_state, unpack_state
+from peerd.training.state import Template, TrainingState, check_state
 
 __all__ = ["Checkpointer", "load_state", "save_state"]
 
@@ -95,44 +95,21 @@ class Checkpointer:
         """Checkpoints, newest step first."""
         return sorted(self.directory.glob(PATTERN), reverse=True)
 
-    @overload
-    def save(self, state: TrainingState, fingerprint: str) -> Path: ...
-
-    @overload
-    def save(self, state: bytes, fingerprint: int) -> Path: ...  # TRANSITION: (version-1 blob, step)
-
-    def save(self, state: TrainingState | bytes, fingerprint: str | int) -> Path:
+    def save(self, state: TrainingState, fingerprint: str) -> Path:
         """Writes ``state`` as the checkpoint of its step and drops all but the newest ``keep``."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        if isinstance(state, bytes):  # TRANSITION
-            final = self.directory / f"ckpt-{int(fingerprint):09d}.pt"
-            _write_blob(final, state)
-        else:
-            final = self.directory / f"ckpt-{state.step:09d}.pt"
-            save_state(final, state, str(fingerprint))
+        final = self.directory / f"ckpt-{state.step:09d}.pt"
+        save_state(final, state, fingerprint)
         for old in self.files()[self.config.keep :]:
             old.unlink(missing_ok=True)
         return final
 
-    @overload
-    def resume(self, template: Template, fingerprint: str) -> TrainingState | None: ...
-
-    @overload  # TRANSITION: (model, optimizer, fingerprint), loads a version-1 checkpoint into them
-    def resume(self, template: torch.nn.Module, fingerprint: torch.optim.Optimizer, legacy: str) -> int | None: ...
-
-    def resume(self, template: Template | torch.nn.Module, fingerprint: str | torch.optim.Optimizer,
-               legacy: str = "") -> TrainingState | int | None:
+    def resume(self, template: Template, fingerprint: str) -> TrainingState | None:
         """The newest usable checkpoint's state; None if there is none at all, StateError listing every file's
         problem if none is usable."""
         problems = []
         for path in self.files():
             try:
-                if isinstance(template, torch.nn.Module):  # TRANSITION
-                    assert isinstance(fingerprint, torch.optim.Optimizer)
-                    step = unpack_state(path.read_bytes(), template, fingerprint, legacy, source=str(path))
-                    logger.info("Resumed from %s at step %d", path, step)
-                    return step
-                assert isinstance(fingerprint, str)
                 state = load_state(path, template, fingerprint)
             except (StateError, OSError) as e:
                 logger.error("Checkpoint unusable, trying the previous one: %s", e)
@@ -145,12 +122,3 @@ class Checkpointer:
                 f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(problems), source=str(self.directory)
             )
         return None
-
-
-def _write_blob(final: Path, blob: bytes) -> None:  # TRANSITION
-    partial = final.with_name(final.name + ".partial")
-    with open(partial, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, final)

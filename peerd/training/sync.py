@@ -17,11 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from peerd.errors import ProtocolViolation, StateError
+from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.training.download import StateDownloader, probe_state
 from peerd.training.manifest import (
     CHUNK_BYTES,
     HANDLER_NAME,
@@ -49,8 +46,7 @@ MAX_TRANSFERS = 4
 
 # Returns the state to serve, or None while there is nothing to serve. The server reads the tensors until
 # the last transfer that uses them ends, so they must not change meanwhile: return a copy.
-# TRANSITION: (step, version-1 blob), as trainer.py's provider returns until it builds TrainingStates.
-StateProvider = Callable[[], Awaitable[TrainingState | tuple[int, bytes] | None]]
+StateProvider = Callable[[], Awaitable[TrainingState | None]]
 
 
 @dataclass
@@ -144,9 +140,6 @@ class StateServer:
                     return f"could not snapshot its state: {type(e).__name__}"
                 if state is None:
                     return "not training"
-                if isinstance(state, tuple):  # TRANSITION: a version-1 blob travels as one uint8 tensor
-                    state = TrainingState(state[0], {LEGACY_NAME: torch.frombuffer(bytearray(state[1]),
-                                                                                 dtype=torch.uint8)})
                 try:
                     manifest = encode_manifest(state, self.chunk_bytes)
                 except ValueError as e:
@@ -199,22 +192,3 @@ class StateServer:
 
 async def _refuse(writer: asyncio.StreamWriter, code: pb.StateCode, message: str) -> None:
     await write_message(writer, pb.StateResponse(code=code, message=message, protocol_version=PROTOCOL_VERSION))
-
-
-# --- TRANSITION: version 1's calls, for trainer.py until it serves TrainingStates and uses StateDownloader; ----
-# --- delete with the tuple case of StateProvider. --------------------------------------------------------------
-
-LEGACY_NAME = "legacy/blob"
-
-
-async def download_state(
-    guard: StreamGuard, peer_id: str, fingerprint: str, max_bytes: int, timeout: float
-) -> tuple[int, bytes]:
-    """Fetches (step, version-1 state bytes) from a donor whose provider returns them; StateError naming the
-    peer on any failure. ``timeout`` is ignored: transfers stall out instead."""
-    del timeout
-    manifest = await probe_state(guard, peer_id, fingerprint, max_bytes)
-    if list(manifest.layout) != [LEGACY_NAME]:
-        raise StateError(f"{peer_id} serves named tensors, not a version-1 blob", source=peer_id)
-    state = await StateDownloader(guard, fingerprint, manifest.layout, max_bytes, rounds=1).download([peer_id])
-    return state.step, state.tensors[LEGACY_NAME].numpy().tobytes()

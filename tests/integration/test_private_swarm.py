@@ -18,8 +18,8 @@ from peerd.config import StreamLimits
 from peerd.errors import MembershipError, StateError
 from peerd.experts.server import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.training.download import StateDownloader, probe_state
 from peerd.training.sync import HANDLER_NAME as STATE
-from peerd.training.sync import download_state
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, generate_secret, load_secret
 from tests.integration.test_experts import CONFIG, HIDDEN
@@ -68,10 +68,11 @@ async def dial_every_protocol(bootstrap: str, host: str, members: list[str], sec
                 with pytest.raises(MembershipError, match="proof of the swarm secret failed"):
                     await guard.open(member, protocol)
         with pytest.raises(StateError, match="proof of the swarm secret failed"):
-            await download_state(guard, host, fingerprint, 1 << 30, timeout=30)
+            await probe_state(guard, host, fingerprint, 1 << 30)
         holder = StreamGuard(p2p, Membership(load_secret(secrets[0])), StreamLimits())
-        step, blob = await download_state(holder, host, fingerprint, 1 << 30, timeout=30)
-        assert step >= 5 and len(blob) > 10_000
+        layout = (await probe_state(holder, host, fingerprint, 1 << 30)).layout  # the dialer has no model of its own
+        state = await StateDownloader(holder, fingerprint, layout, 1 << 30, rounds=1).download([host])
+        assert state.step >= 5 and state.nbytes > 10_000
         return guard.peer_id
     finally:
         await p2p.shutdown()

@@ -48,7 +48,7 @@ from peerd.training.checkpoint import load_state, save_state
 from peerd.training.download import StateDownloader
 from peerd.training.manifest import byte_view, check_against_template, check_manifest, chunks, encode_manifest
 from peerd.training.progress import ProgressRecord
-from peerd.training.state import TrainingState, pack_state, template_of, unpack_state
+from peerd.training.state import TrainingState, template_of
 from peerd.wire import codec, handshake
 from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_into, read_frame_or_eof, read_message
 from peerd.wire.guard import StreamGuard
@@ -522,13 +522,16 @@ EXPERT_RECORD = Target(
 )
 
 
+_state_values = values | st.builds(
+    lambda shape, fill: torch.full(shape, fill),
+    st.lists(st.integers(0, 3), max_size=2).map(tuple), st.floats(width=32),
+)
+
+
 @st.composite
 def state_files(draw: st.DrawFn) -> bytes:
     """A valid checkpoint file with parts of its dict replaced (tensors included), saved with torch.save."""
-    return _replaced_parts(draw, torch.load(io.BytesIO(VALID_STATE_FILE), weights_only=True))
-
-
-def _replaced_parts(draw: st.DrawFn, state: dict[str, Any]) -> bytes:
+    state = torch.load(io.BytesIO(VALID_STATE_FILE), weights_only=True)
     for _ in range(draw(st.integers(1, 3))):
         node: Any = state
         path = []
@@ -557,67 +560,6 @@ STATE_FILE = Target(
     "state-file",
     st.binary(max_size=256) | mutated(st.just(VALID_STATE_FILE)) | state_files(),
     _state_file,
-    (StateError,),
-)
-
-
-# --- TRANSITION: version-1 training state blobs, read by trainer.py until it uses TrainingStates; delete with them
-
-
-
-
-def _state_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    model(torch.randn(4, 3)).sum().backward()
-    optimizer.step()  # so the optimizer state holds tensors (exp_avg, exp_avg_sq, step) worth mutating
-    return model, optimizer
-
-
-_MODEL, _OPTIMIZER = _state_model()
-VALID_STATE = pack_state(_MODEL, _OPTIMIZER, 7, FINGERPRINT)
-_state_values = values | st.builds(
-    lambda shape, fill: torch.full(shape, fill),
-    st.lists(st.integers(0, 3), max_size=2).map(tuple), st.floats(width=32),
-)
-
-
-@st.composite
-def state_dicts(draw: st.DrawFn) -> bytes:
-    """A valid state with parts replaced (anywhere in the tree, tensors included), saved with torch.save."""
-    return _replaced_parts(draw, torch.load(io.BytesIO(VALID_STATE), weights_only=True))
-
-
-def _snapshot() -> list[torch.Tensor]:
-    opt = [t.clone() for s in _OPTIMIZER.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return [p.detach().clone() for p in _MODEL.state_dict().values()] + opt
-
-
-_BEFORE = _snapshot()
-
-
-def _state_blob(blob: bytes) -> object:
-    try:
-        step = unpack_state(blob, _MODEL, _OPTIMIZER, FINGERPRINT, source="fuzz")
-    except StateError:
-        after = _snapshot()
-        assert len(after) == len(_BEFORE) and all(a.equal(b) for a, b in zip(after, _BEFORE, strict=True)), \
-            "a refused state changed the model or optimizer"
-        raise
-    assert isinstance(step, int) and step >= 0
-    # an accepted state can be trained from; then put the reference state back for the next case
-    _MODEL(torch.randn(4, 3)).sum().backward()
-    _OPTIMIZER.step()
-    _OPTIMIZER.zero_grad()
-    unpack_state(VALID_STATE, _MODEL, _OPTIMIZER, FINGERPRINT, source="reference")
-    return step
-
-
-STATE_BLOB = Target(
-    "state-blob",
-    st.binary(max_size=256) | mutated(st.just(VALID_STATE)) | state_dicts(),
-    _state_blob,
     (StateError,),
 )
 
@@ -726,4 +668,4 @@ SIGNED_RECORD = Target(
 )
 
 TARGETS = [FRAMES, AVERAGING, STATE_MANIFEST, STATE_DOWNLOAD, EXPERT_REQUEST, CODEC, PEER_RECORD, PROGRESS_RECORD,
-           MATCHMAKING, EXPERT_RECORD, STATE_FILE, STATE_BLOB, HANDSHAKE, SIGNED_RECORD]
+           MATCHMAKING, EXPERT_RECORD, STATE_FILE, HANDSHAKE, SIGNED_RECORD]

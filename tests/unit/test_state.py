@@ -23,7 +23,7 @@ from peerd.training.manifest import (
     layout_digest,
     manifest_limit,
 )
-from peerd.training.state import TrainingState, check_state, pack_state, template_of, unpack_state
+from peerd.training.state import TrainingState, check_state, template_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,9 +99,11 @@ def test_a_state_file_round_trips_atomically(tmp_path: Path) -> None:
 def damaged(tmp_path: Path, how: str) -> Path:
     path = tmp_path / "state.pt"
     state = sample_state()
-    if how == "version 1":  # what an older peerd wrote
+    if how == "version 1":  # what an older peerd wrote: a model's and an optimizer's state dicts
         model = torch.nn.Linear(2, 2)
-        path.write_bytes(pack_state(model, torch.optim.SGD(model.parameters(), lr=0.1), 3, FP))
+        torch.save({"format": "peerd.training-state", "version": 1, "fingerprint": FP, "step": 3,
+                    "model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters()).state_dict()},
+                   path)
         return path
     if how in ("nan", "shape"):
         state.tensors["outer/momentum"] = torch.full((20,), float("nan")) if how == "nan" else torch.zeros(21)
@@ -271,27 +273,3 @@ def test_the_layout_digest_covers_order_shape_and_dtype() -> None:
                layout_digest({**template, "outer/momentum": ((21,), torch.float32)}),
                layout_digest({**template, "outer/momentum": ((20,), torch.float16)})}
     assert len(digests) == 4
-
-
-# --- TRANSITION: version-1 blobs, used by trainer.py until it produces TrainingStates; delete with them ---------
-
-
-def model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(5, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def test_version_1_blobs_round_trip_and_resume(tmp_path: Path) -> None:
-    source, source_opt = model_and_optimizer(0)
-    target, target_opt = model_and_optimizer(1)
-    assert unpack_state(pack_state(source, source_opt, 42, FP), target, target_opt, FP, "test") == 42
-    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
-    with pytest.raises(StateError, match="peer-x"):
-        unpack_state(b"\0" * 100, target, target_opt, FP, "peer-x")
-    checkpointer = Checkpointer(CheckpointConfig(directory=tmp_path), tmp_path)
-    checkpointer.save(pack_state(source, source_opt, 5, FP), 5)
-    assert checkpointer.resume(target, target_opt, FP) == 5
