@@ -25,11 +25,18 @@ from peerd.config.peer import (
     StreamLimits,
     SwarmConfig,
 )
-from peerd.config.training import AveragingConfig, CheckpointConfig, CodecConfig, TaskConfig, TrainingConfig
+from peerd.config.training import (
+    AveragingConfig,
+    CheckpointConfig,
+    CodecConfig,
+    StateTransferConfig,
+    TaskConfig,
+    TrainingConfig,
+)
 
 __all__ = [
     "DEFAULT_CONTROL_PORT", "ENV_PREFIX", "EXPERT_UID_PATTERN", "AveragingConfig", "CheckpointConfig", "CodecConfig",
-    "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Role", "StreamLimits", "SwarmConfig",
+    "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Role", "StateTransferConfig", "StreamLimits", "SwarmConfig",
     "TaskConfig", "TrainingConfig", "config_error_from", "dump_config", "load_config", "parse_overrides",
     "read_yaml", "set_dotted",
 ]

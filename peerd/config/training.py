@@ -119,6 +119,21 @@ class TaskConfig(Section):
         return self
 
 
+class StateTransferConfig(Section):
+    """How joiners download the training state, and how much a donor serves at once."""
+
+    stall_timeout: float = Field(
+        default=30.0, gt=0,
+        description="Seconds without a byte after which a joiner leaves a donor for the next one (resuming where "
+        "it stopped if that one holds the same step) and a donor drops the joiner. No total deadline: a large "
+        "state on a slow link takes as long as it takes.",
+    )
+    max_transfers: int = Field(
+        default=4, ge=1, le=64,
+        description="Transfers a donor serves at once, all from one snapshot of its state; more are told busy.",
+    )
+
+
 class CheckpointConfig(Section):
     directory: Path | None = Field(
         default=None, description="Where checkpoints go; null disables them. `--resume` reads from here."
@@ -188,6 +203,7 @@ class TrainingConfig(Section):
         default=True, description="A peer joining a swarm already past step 0 downloads its state first."
     )
     max_state_bytes: int = Field(default=2**31, ge=1024, description="Largest state accepted from a peer.")
+    state_transfer: StateTransferConfig = Field(default_factory=StateTransferConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     resume: bool = Field(default=False, description="Start from the newest usable checkpoint (--resume).")
 

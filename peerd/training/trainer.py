@@ -78,13 +78,16 @@ class CollaborativeTrainer:
         self.matchmaker = Matchmaker(swarm, averaging)
         self.reducer = AllReducer(guard, averaging)
         self.lossless = averaging.codec.model_copy(update={"lossless": True, "error_feedback": False})
-        self.state_server = StateServer(guard, task.fingerprint, self._serve_state)
+        transfer = config.state_transfer
+        self.state_server = StateServer(guard, task.fingerprint, self._serve_state,
+                                        max_transfers=transfer.max_transfers, stall_timeout=transfer.stall_timeout)
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision)
         self._template = snapshot.template(self.local, self.outer)
-        self.downloader = StateDownloader(guard, task.fingerprint, self._template, config.max_state_bytes)
+        self.downloader = StateDownloader(guard, task.fingerprint, self._template, config.max_state_bytes,
+                                          stall_timeout=config.state_transfer.stall_timeout)
         self.report.transfers = lambda: {"download": self.downloader.status(), "serve": self.state_server.status()}
         self.step = 0
         self.samples = 0
