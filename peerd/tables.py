@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from peerd.control.terminal import format_progress
+
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
@@ -53,6 +55,14 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"swarm:     {membership.get('mode')}" + (detail if refused else ""))
     if data.get("dht_error"):
         lines.append(f"warning:   {data['dht_error']}")
+    training = data.get("training")
+    if training:
+        lines.append(f"training:  {training.get('mode')} | {format_progress(training)}")
+        download = (training.get("state_transfer") or {}).get("download") or {}
+        if download.get("state") in ("downloading", "failed"):
+            lines.append(f"state:     {download['state']} {download.get('bytes_done', 0) / 2**20:.1f} of "
+                         f"{download.get('bytes_total', 0) / 2**20:.1f} MiB from {download.get('donor')} "
+                         f"({download.get('donors_tried', 0)} donors tried)")
     lines += ["", f"peers seen ({len(data.get('peers', []))}):", format_peers(data.get("peers", []))]
     experts = data.get("experts") or {}
     if experts.get("server") or experts.get("client"):
