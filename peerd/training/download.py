@@ -69,6 +69,7 @@ class StateDownloader:
         self._manifest: Manifest | None = None
         self._position = (0, 0)  # (tensor index in the manifest, offset): the first byte not yet held
         self._done = 0
+        self._logged_tenth = 0  # tenths of the state reported in the log so far
         self._tried: dict[str, None] = {}  # donors of the current download, in order
         self._total = sum(nbytes(shape, dtype) for shape, dtype in template.values())
 
@@ -92,6 +93,7 @@ class StateDownloader:
         self._tried = {}
         self._began, self._ended = time.monotonic(), None
         self._manifest, self._position, self._done = None, (0, 0), 0
+        self._logged_tenth = 0
         problems: list[str] = []
         try:
             for round_ in range(self.rounds):
@@ -145,7 +147,7 @@ class StateDownloader:
         return None
 
     def _restart(self) -> None:
-        self._position, self._done = (0, 0), 0
+        self._position, self._done, self._logged_tenth = (0, 0), 0, 0
 
     async def _fetch(self, peer: str, min_step: int) -> None:
         """One donor: request (with our resume point, if any), manifest, payload into our buffers."""
@@ -177,8 +179,16 @@ class StateDownloader:
                     await read_frame_into(reader, views[index][offset : offset + length], peer,
                                           f"chunk of tensor {manifest.names[index]}", arrived)
                     self._advance()
+                    self._log_progress(peer)
             finally:
                 writer.close()
+
+    def _log_progress(self, peer: str) -> None:
+        """One line per tenth of the state: a long download on a slow link shows that it moves, and where."""
+        tenth = self._done * 10 // max(self._total, 1)
+        if tenth > self._logged_tenth:
+            self._logged_tenth = tenth
+            logger.info("State download progress %d/%d bytes from %s", self._done, self._total, peer)
 
     def _resume_point(self) -> pb.ResumePoint | None:
         if self._manifest is None or self._done == 0:
