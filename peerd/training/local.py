@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from peerd.config import TrainingConfig
+from peerd.errors import ConfigError
 from peerd.training.device import autocast, flat_views, host_buffer, resolve_device, to_device
 from peerd.training.tasks import Batch, Task
 
@@ -46,6 +47,15 @@ class LocalModel:
         self.task = task
         self.device = resolve_device(config.device)
         self.precision = config.precision
+        if self.device.type != "cpu":
+            from peerd.experts import RemoteMoE  # only models with remote experts need it
+
+            if any(isinstance(m, RemoteMoE) for m in task.model.modules()):
+                raise ConfigError(
+                    f"training.device is {config.device!r}, but this model has remote mixture-of-experts layers, "
+                    "whose expert calls take CPU tensors: set training.device: cpu for it",
+                    field="training.device",
+                )
         self.model = task.model.to(self.device)
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in named]
