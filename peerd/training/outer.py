@@ -80,7 +80,10 @@ class OuterState:
         with torch.no_grad():
             for p, (_, shared), (_, anchor) in zip(self.local.params, flat_views(self.local.params, self.shared),
                                                   flat_views(self.local.params, self.anchor), strict=True):
-                p.add_(shared - anchor)
+                # theta + (local - anchor), not local + (theta - anchor): without local progress since the
+                # phase ended (no overlap, or the last phase) local == anchor bit for bit and lands exactly on
+                # theta, so every member holds bit-identical weights, not theta up to its own rounding
+                p.copy_(shared + (p - anchor))
             self.anchor.copy_(self.shared)
 
     def reset_to_local(self) -> None:
