@@ -41,6 +41,7 @@ from _netns_peerd import NetnsPeer
 from netns import NetnsLab, NetnsUnavailable
 
 from peerd.errors import PeerdError
+from peerd.launcher import wait_for
 from peerd.tables import format_table
 
 ROOT = HERE.parent
@@ -57,14 +58,6 @@ def training(peer: NetnsPeer) -> dict[str, Any]:
         return peer.status()["training"] or {}
     except Exception:  # noqa: BLE001 - a killed or busy peer: no status this time
         return {}
-
-
-def wait(condition: Any, timeout: float, what: str, pace: float = 0.25) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:.0f}s")
-        time.sleep(pace)  # polling daemons' status endpoints, which have no change notifications
 
 
 def run(lab: NetnsLab, mode: str, args: argparse.Namespace, index: int) -> dict[str, Any]:
@@ -85,7 +78,7 @@ def run(lab: NetnsLab, mode: str, args: argparse.Namespace, index: int) -> dict[
             peers.append(NetnsPeer(f"donor{i}", lab.ns(i), [*common, *extra], log_dir))
             peers[-1].wait_ready(180)
         donors = list(peers)
-        wait(lambda: all(training(d).get("state") == "idle" for d in donors), 1800, f"{mode}: donors at step 2")
+        wait_for(lambda: all(training(d).get("state") == "idle" for d in donors), 1800, f"{mode}: donors at step 2")
         started = time.monotonic()
         joiner = NetnsPeer("joiner", lab.ns(DONORS), [
             *common, "--host-maddrs", f"/ip4/{lab.addr(DONORS)}/tcp/{port}", "-o", "training.wait_for_peers=1",
@@ -96,14 +89,14 @@ def run(lab: NetnsLab, mode: str, args: argparse.Namespace, index: int) -> dict[
         if args.kill_donor:
             # the joiner prints its ready line (and serves its status) only after its start-up download: its
             # log's progress lines (one per tenth of the state) say how much it holds and from whom
-            wait(lambda: _held(joiner) >= args.kill_at, 1800, "the joiner to hold the share to kill at", 0.05)
+            wait_for(lambda: _held(joiner) >= args.kill_at, 1800, "the joiner to hold the share to kill at", 0.05)
             victim = next((d for d in donors if d.peer_id in _last_progress(joiner)), donors[0])
             victim.kill()
             killed = victim.name
         joiner.wait_ready(3600)
         status = training(joiner)
         download = (status.get("state_transfer") or {}).get("download") or {}
-        wait(lambda: training(joiner).get("step", 0) >= 2 or training(joiner).get("state") != "syncing", 600,
+        wait_for(lambda: training(joiner).get("step", 0) >= 2 or training(joiner).get("state") != "syncing", 600,
              "the joiner to train after loading")
         result.update(
             state_bytes=download.get("bytes_total"), seconds=download.get("seconds"),

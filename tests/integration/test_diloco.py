@@ -7,12 +7,12 @@ import math
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from tests.conftest import REPO
+from tests.integration.test_training import all_reached, training
 
 pytestmark = pytest.mark.integration
 
@@ -30,14 +30,6 @@ ARGS = ["-o", "training.mode=diloco", "-o", "training.diloco.inner_steps=10",
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     with LocalSwarm(LM, log_dir=tmp_path, extra_args=list(ARGS)) as local_swarm:
         yield local_swarm
-
-
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return peer.status()["training"]
-
-
-def all_reached(peers: list[PeerProcess], key: str, value: int) -> bool:
-    return all(training(p)[key] >= value for p in peers)
 
 
 @pytest.mark.timeout(300)
