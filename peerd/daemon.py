@@ -20,6 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from hivemind.p2p import P2P, P2PDaemonError
+
 from peerd import __version__
 from peerd.config import PeerdConfig
 from peerd.control.server import ControlServer
@@ -49,6 +51,7 @@ class Daemon:
         self._trainer_task: asyncio.Task[None] | None = None
         self._trainer_stop = asyncio.Event()
         self.guard: StreamGuard | None = None
+        self._p2p: P2P | None = None
         self.membership = Membership()
         self.experts: ExpertServer | None = None
         self.expert_client: ExpertClient | None = None
@@ -71,6 +74,7 @@ class Daemon:
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
+        await self._refresh_reachability()
         if self.config.experts is not None:
             await self._start_experts()
         if self.config.training.enabled:
@@ -88,15 +92,29 @@ class Daemon:
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
         self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
 
-    async def _stream_guard(self) -> StreamGuard:
-        """The door of every peerd stream (membership handshake, limits) on hivemind's P2P handle to the DHT
-        process's p2pd; shared by the expert server and the trainer."""
+    async def _p2p_handle(self) -> P2P:
+        """hivemind's P2P handle to the DHT process's p2pd, opened once."""
         assert self.swarm is not None
+        if self._p2p is None:
+            self._p2p = await self.swarm.dht.replicate_p2p()
+            self._on_stop("P2P handle", self._p2p.shutdown)
+        return self._p2p
+
+    async def _stream_guard(self) -> StreamGuard:
+        """The door of every peerd stream (membership handshake, limits); shared by the expert server and the
+        trainer."""
         if self.guard is None:
-            p2p = await self.swarm.dht.replicate_p2p()
-            self._on_stop("P2P handle", p2p.shutdown)
-            self.guard = StreamGuard(p2p, self.membership, self.config.swarm.streams)
+            self.guard = StreamGuard(await self._p2p_handle(), self.membership, self.config.swarm.streams)
         return self.guard
+
+    async def _refresh_reachability(self) -> None:
+        """Reads how this peer is reached (a relay slot, connections, the relay service) from p2pd."""
+        assert self.swarm is not None
+        try:
+            await asyncio.wait_for(self.swarm.reach.refresh(await self._p2p_handle(), self.config.swarm.request_timeout),
+                                   self.config.swarm.request_timeout * 2)
+        except (TimeoutError, OSError, P2PDaemonError, ValueError) as e:
+            logger.debug("Could not read reachability from p2pd: %r", e)
 
     async def _start_experts(self) -> None:
         from peerd.experts import ExpertServer
@@ -202,6 +220,7 @@ class Daemon:
                 error = self._trainer_task.exception()
                 if error is not None:
                     raise DaemonError(f"training stopped with an error: {error!r}") from error
+            await self._refresh_reachability()
             try:
                 await self.swarm.publish(self.record())
             except PeerdError as e:
@@ -285,6 +304,7 @@ class Daemon:
             entry = peer.record.to_wire()
             entry["expires_in"] = round(peer.expires_at - current, 2)
             entry["age"] = round(current - peer.record.updated_at, 2)
+            entry["connection"] = self.swarm.reach.via(peer.record.peer_id)
             peers.append(entry)
         return {
             "peer_id": self.swarm.peer_id,
@@ -301,6 +321,7 @@ class Daemon:
             "training": self.trainer.report.as_dict() if self.trainer is not None else None,
             "experts": self.experts_snapshot(),
             "membership": self.guard.status() if self.guard is not None else {"mode": self.membership.describe()},
+            "reachability": self.swarm.reach.status(),
         }
 
 

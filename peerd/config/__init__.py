@@ -25,6 +25,7 @@ from peerd.config.peer import (
     StreamLimits,
     SwarmConfig,
 )
+from peerd.config.relay import Reachability, RelayConfig, RelayLimits
 from peerd.config.training import (
     AveragingConfig,
     CheckpointConfig,
@@ -36,7 +37,7 @@ from peerd.config.training import (
 
 __all__ = [
     "DEFAULT_CONTROL_PORT", "ENV_PREFIX", "EXPERT_UID_PATTERN", "AveragingConfig", "CheckpointConfig", "CodecConfig",
-    "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Role", "StateTransferConfig", "StreamLimits", "SwarmConfig",
+    "ControlConfig", "ExpertsConfig", "LoggingConfig", "MoEConfig", "PeerdConfig", "Reachability", "RelayConfig", "RelayLimits", "Role", "StateTransferConfig", "StreamLimits", "SwarmConfig",
     "TaskConfig", "TrainingConfig", "config_error_from", "dump_config", "load_config", "parse_overrides",
     "read_yaml", "set_dotted",
 ]

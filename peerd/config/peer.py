@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from peerd.config.base import Section
+from peerd.config.relay import RelayConfig
 
 DEFAULT_CONTROL_PORT = 7710
 Role = Literal["trainer", "expert_host", "bootstrap", "observer"]  # what a peer advertises in its record
@@ -77,6 +78,8 @@ class SwarmConfig(Section):
     )
     streams: StreamLimits = Field(default_factory=lambda: StreamLimits(),
                                   description="Per-peer bounds on inbound streams.")
+    relay: RelayConfig = Field(default_factory=lambda: RelayConfig(),
+                               description="NAT traversal through relays, and relaying for others.")
     roles: list[Role] = Field(default_factory=_default_roles, description="Roles advertised in this peer's record.")
     record_refresh_period: float = Field(
         default=5.0, gt=0, description="Seconds between re-publications of this peer's record."
@@ -129,6 +132,18 @@ class SwarmConfig(Section):
                 f"({self.record_refresh_period}), or records expire between refreshes: raise swarm.record_ttl"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_relays(self) -> SwarmConfig:
+        if self.relay.reachability == "private" and not (self.relay.relays or self.initial_peers):
+            raise ValueError("swarm.relay.reachability is private but there is no relay to reserve a slot on: "
+                             "set swarm.relay.relays or swarm.initial_peers (a reachable peer)")
+        return self
+
+    @property
+    def relays(self) -> list[str]:
+        """The relays a private peer reserves a slot on: those configured, else the initial peers."""
+        return list(self.relay.relays or self.initial_peers)
 
 
 class ControlConfig(Section):

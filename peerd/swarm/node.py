@@ -25,6 +25,7 @@ from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.process import IsolatedDHT
+from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator, child_drop_counts
@@ -46,8 +47,9 @@ class SwarmNode:
     """
 
     def __init__(self, config: SwarmConfig, run_name: str, dht: DHT, signer: RecordSigner,
-                 membership: Membership, ephemeral_dir: Path | None = None) -> None:
+                 membership: Membership, reach: Reachability, ephemeral_dir: Path | None = None) -> None:
         self.config = config
+        self.reach = reach
         self.run_name = run_name
         self.dht = dht
         self.peer_id = str(dht.peer_id)
@@ -84,7 +86,8 @@ class SwarmNode:
             except OSError as e:
                 raise IdentityError(f"cannot read identity file {identity_path}: {e.strerror or e}",
                                     path=identity_path) from e
-            dht = await cls._start_with_retries(config, identity_path, fresh, membership)
+            metrics_port = config.relay.metrics_port or free_loopback_port()
+            dht = await cls._start_with_retries(config, identity_path, fresh, membership, metrics_port)
             if str(dht.peer_id) != signer.peer_id:
                 dht.shutdown()
                 raise DaemonError(f"p2pd runs as {dht.peer_id} but the identity key is {signer.peer_id}")
@@ -92,17 +95,17 @@ class SwarmNode:
             if ephemeral_dir is not None:
                 shutil.rmtree(ephemeral_dir, ignore_errors=True)
             raise
-        return cls(config, run_name, dht, signer, membership, ephemeral_dir)
+        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), ephemeral_dir)
 
     @classmethod
     async def _start_with_retries(cls, config: SwarmConfig, identity_path: Path, fresh_identity: bool,
-                                  membership: Membership) -> DHT:
+                                  membership: Membership, metrics_port: int) -> DHT:
         delay = config.bootstrap_retry_delay
         last_error: Exception | None = None
         for attempt in range(1, config.bootstrap_attempts + 1):
             try:
                 # Blocking the loop here is fine: nothing else runs on it before the swarm is up.
-                return cls._start_dht(config, identity_path, fresh_identity, membership)
+                return cls._start_dht(config, identity_path, fresh_identity, membership, metrics_port)
             except (P2PDaemonError, TimeoutError, OSError) as e:
                 last_error = e
                 if not config.initial_peers:
@@ -122,8 +125,11 @@ class SwarmNode:
         )
 
     @staticmethod
-    def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership) -> DHT:
+    def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
+                   metrics_port: int) -> DHT:
+        relay_kwargs, p2pd_flags = p2pd_options(config, metrics_port)
         kwargs: dict[str, Any] = {
+            **relay_kwargs,
             "host_maddrs": list(config.host_maddrs),
             "startup_timeout": config.startup_timeout,
             "wait_timeout": config.request_timeout,
@@ -134,8 +140,8 @@ class SwarmNode:
         }
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
-        dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False,
-                           record_validators=[SignedRecordValidator(membership)], **kwargs)
+        dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False, p2pd_flags=p2pd_flags,
+                          record_validators=[SignedRecordValidator(membership)], **kwargs)
         dht.run_in_background(await_ready=False)
         try:
             dht.wait_until_ready(timeout=config.startup_timeout)
@@ -145,7 +151,8 @@ class SwarmNode:
         return dht
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        """Our addresses as of the last reachability refresh (a relay slot adds a relayed one later)."""
+        return self.reach.addresses or [str(m) for m in self.dht.get_visible_maddrs()]
 
     def alive(self) -> bool:
         return bool(self.dht.is_alive())

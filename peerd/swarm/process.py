@@ -3,6 +3,10 @@
 hivemind runs the DHT in a child process that owns p2pd. We start that child in its own process group so
 that a Ctrl-C in the terminal reaches only the daemon, which can then announce ``leaving`` through a still
 working DHT before shutting it down; and that group kills itself if the daemon itself dies abruptly.
+
+It also hands p2pd the flags hivemind's ``P2P.create`` has no parameter for (the relay service's limits, its
+metrics address): hivemind builds p2pd's command line in ``P2P._make_process_args``, and only this child
+process starts p2pd, so wrapping that one function here adds flags without touching hivemind anywhere else.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ import os
 import select
 import signal
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from hivemind.dht import DHT
+from hivemind.p2p import P2P
 
 __all__ = ["IsolatedDHT"]
 
@@ -20,10 +27,27 @@ __all__ = ["IsolatedDHT"]
 class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type information
     """hivemind's DHT process, detached from the terminal's process group and tied to our lifetime."""
 
+    def __init__(self, *args: Any, p2pd_flags: Mapping[str, int | str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.p2pd_flags = dict(p2pd_flags or {})  # read in run(), in the child: before start()
+
     def run(self) -> None:
         os.setpgid(0, 0)
         _die_with_parent()
+        _add_p2pd_flags(self.p2pd_flags)
         super().run()
+
+
+def _add_p2pd_flags(flags: Mapping[str, int | str]) -> None:
+    """Makes every p2pd this process starts get ``-name=value`` for each flag, after hivemind's own."""
+    if not flags:
+        return
+    build = P2P._make_process_args
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return [*build(*args, **kwargs), *(f"-{name}={value}" for name, value in flags.items())]
+
+    P2P._make_process_args = staticmethod(with_flags)
 
 
 def _die_with_parent() -> None:

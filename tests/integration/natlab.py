@@ -1,0 +1,162 @@
+"""Home routers on one machine: public hosts on a shared "internet" and hosts behind their own NAT.
+
+    with NatLab(public=["relay", "pub"], natted=["a", "b"]) as lab:
+        lab.addr("relay")          # '10.79.0.2', reachable from everyone
+        lab.addr("a")              # '192.168.11.2', reachable from nobody outside a's home
+        lab.ns("a")                # 'peerdnat-a', for `ip netns exec` or setns(2)
+
+Topology (nothing is created in, or routed from, the root namespace):
+
+    peerdnat-wan: bridge br0, the internet (10.79.0.0/24)
+    public host h:  peerdnat-<h>, eth0 10.79.0.<k>/24 on br0
+    natted host h:  peerdnat-<h>, eth0 192.168.<10+k>.2/24, default route via its router
+                    peerdnat-r<h>, lan0 192.168.<10+k>.1 and wan0 10.79.0.<100+k> on br0, forwarding with
+                    iptables MASQUERADE out of wan0 and only replies let back in (FORWARD: ESTABLISHED,RELATED)
+
+So a natted host can dial any public host (its connections leave from its router's address), while no host can
+open a connection to it: the internet has no route to its 192.168 network, and its router forwards only
+replies. Two natted hosts cannot dial each other at all, like two home machines behind different routers.
+
+Needs root and iproute2 + iptables; otherwise entering raises :class:`NatLabUnavailable` with the reason.
+Everything named ``peerdnat-*`` is removed on exit and on entry (left over from an interrupted run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Self
+
+PREFIX = "peerdnat-"
+WAN_NS = f"{PREFIX}wan"
+WAN = "7.79.0"
+
+
+class NatLabUnavailable(RuntimeError):
+    """The lab cannot be built here (not root, no iproute2 or iptables, kernel refuses)."""
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=20)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def _namespaces() -> list[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def cleanup_leftovers() -> None:
+    for ns in _namespaces():
+        if ns.startswith(PREFIX):
+            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ValueError, ProcessLookupError):
+                    pass
+            _run(["ip", "netns", "del", ns], check=False)
+
+
+def check_available() -> None:
+    if not sys.platform.startswith("linux"):
+        raise NatLabUnavailable(f"network namespaces need Linux (this is {sys.platform})")
+    for tool in ("ip", "iptables"):
+        if shutil.which(tool) is None:
+            raise NatLabUnavailable(f"'{tool}' is not installed")
+    if os.geteuid() != 0:
+        raise NatLabUnavailable("creating network namespaces and NAT rules needs root")
+
+
+class NatLab:
+    """Public hosts and natted hosts (each behind its own masquerading router); see the module docstring."""
+
+    def __init__(self, public: list[str], natted: list[str]) -> None:
+        self.public = list(public)
+        self.natted = list(natted)
+        self._addrs: dict[str, str] = {}
+        for k, name in enumerate(self.public, start=2):
+            self._addrs[name] = f"{WAN}.{k}"
+        for k, name in enumerate(self.natted, start=1):
+            self._addrs[name] = f"192.168.{10 + k}.2"
+            self._addrs[f"r{name}"] = f"{WAN}.{100 + k}"
+
+    def ns(self, host: str) -> str:
+        return f"{PREFIX}{host}"
+
+    def addr(self, host: str) -> str:
+        return self._addrs[host]
+
+    def router_addr(self, host: str) -> str:
+        """The public address a natted host's connections come from."""
+        return self._addrs[f"r{host}"]
+
+    def exec_prefix(self, host: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(host)]
+
+    def __enter__(self) -> Self:
+        check_available()
+        cleanup_leftovers()
+        try:
+            self._build()
+        except BaseException as e:
+            cleanup_leftovers()
+            if isinstance(e, RuntimeError):
+                raise NatLabUnavailable(f"could not build the NAT lab: {e}") from e
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        cleanup_leftovers()
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def _plug(self, ns: str, dev: str, port: str, cidr: str) -> None:
+        """A veth from namespace ``ns`` (as ``dev``, address ``cidr``) to the internet bridge (as ``port``)."""
+        _run(["ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", WAN_NS])
+        _run(["ip", "-n", WAN_NS, "link", "set", port, "master", "br0"])
+        _run(["ip", "-n", WAN_NS, "link", "set", port, "up"])
+        _run(["ip", "-n", ns, "addr", "add", cidr, "dev", dev])
+        _run(["ip", "-n", ns, "link", "set", dev, "up"])
+
+    def _build(self) -> None:
+        self._add_ns(WAN_NS)
+        _run(["ip", "-n", WAN_NS, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", WAN_NS, "link", "set", "br0", "up"])
+        for k, name in enumerate(self.public, start=2):
+            self._add_ns(self.ns(name))
+            self._plug(self.ns(name), "eth0", f"h{k}", f"{self.addr(name)}/24")
+        for k, name in enumerate(self.natted, start=1):
+            host, router, lan = self.ns(name), self.ns(f"r{name}"), f"192.168.{10 + k}"
+            self._add_ns(host)
+            self._add_ns(router)
+            self._plug(router, "wan0", f"r{k}", f"{self.router_addr(name)}/24")
+            _run(["ip", "link", "add", "lan0", "netns", router, "type", "veth", "peer", "name", "eth0",
+                  "netns", host])
+            _run(["ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0"])
+            _run(["ip", "-n", router, "link", "set", "lan0", "up"])
+            _run(["ip", "-n", host, "addr", "add", f"{lan}.2/24", "dev", "eth0"])
+            _run(["ip", "-n", host, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", host, "route", "add", "default", "via", f"{lan}.1"])
+            in_router = ["ip", "netns", "exec", router]
+            _run(in_router + ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+            _run(in_router + ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"])
+            _run(in_router + ["iptables", "-P", "FORWARD", "DROP"])
+            _run(in_router + ["iptables", "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT"])
+            _run(in_router + ["iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0", "-m", "conntrack",
+                              "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+
+    def can_connect(self, src: str, dst_addr: str, port: int, timeout: float = 3.0) -> bool:
+        """Whether a TCP connection from host ``src`` to ``dst_addr:port`` is accepted (for checking the lab)."""
+        code = ("import socket,sys\n"
+                "s=socket.socket(); s.settimeout(float(sys.argv[3]))\n"
+                "try:\n  s.connect((sys.argv[1],int(sys.argv[2])))\nexcept OSError:\n  sys.exit(1)\n")
+        proc = subprocess.run(self.exec_prefix(src) + [sys.executable, "-c", code, dst_addr, str(port), str(timeout)],
+                              check=False, capture_output=True, timeout=timeout + 10)
+        return proc.returncode == 0

@@ -1,0 +1,164 @@
+"""Peers behind NAT train together and call each other's experts through a relay (real NAT, real p2pd).
+
+The NAT lab (``natlab.py``) puts a relay and a public peer on a shared "internet" and two peers each behind its
+own masquerading router: neither natted peer can open a connection to the other, nor can anyone else open
+one to them. They reserve a slot on the relay (``swarm.relay.reachability: private``, the relay is their
+bootstrap peer), and every stream between them (DHT, averaging, expert calls) crosses the relay.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peerd.launcher import PeerProcess, wait_for
+from tests.conftest import REPO
+from tests.integration.natlab import NatLab, NatLabUnavailable
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _netns_peerd import NetnsPeer  # noqa: E402  (benchmarks/ is not a package)
+
+pytestmark = pytest.mark.integration
+
+HIDDEN = 32
+CONFIG = f"""
+run_name: peerd-nat-test
+swarm:
+  host_maddrs: ["/ip4/0.0.0.0/tcp/0"]
+  record_refresh_period: 1.0
+  record_ttl: 6.0
+  secret_path: {{secret}}
+control:
+  port: 0
+training:
+  enabled: true
+  task:
+    name: lm
+    options:
+      seq_len: 32
+      batch_size: 8
+      d_model: {HIDDEN}
+      n_heads: 2
+      d_ff: 64
+      max_files: 40
+      val_files: 4
+      val_batches: 2
+      moe: {{{{layers: [-1], num_experts: 4, k: 2, k_min: 1, timeout: 4.0, grace: 0.05, refresh_period: 0.5,
+             retry_after: 1.0}}}}
+  lr: 0.01
+  target_batch_size: 24
+  validation_every: 5
+averaging:
+  min_group_size: 2
+"""
+EXPERTS = (f"{{uid_prefix: 'ffn.1.', count: 4, first_index: 0, hidden_dim: {HIDDEN}, ffn_dim: 64, lr: 0.003, "
+           "announce_period: 1.0, record_ttl: 8.0}")
+
+
+@pytest.fixture
+def lab() -> Iterator[NatLab]:
+    try:
+        with NatLab(public=["relay", "pub"], natted=["a", "b"]) as built:
+            yield built
+    except NatLabUnavailable as e:
+        pytest.skip(f"NAT lab unavailable: {e}")
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    secret = tmp_path / "swarm.secret"
+    subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-secret", str(secret)], check=True,
+                   capture_output=True, timeout=60)
+    path = tmp_path / "nat.yaml"
+    path.write_text(CONFIG.format(secret=secret))
+    return path
+
+
+def public_maddr(peer: PeerProcess, address: str) -> str:
+    return next(m for m in peer.ready["maddrs"] if f"/ip4/{address}/" in m)
+
+
+def reach(peer: PeerProcess) -> dict[str, Any]:
+    return peer.status()["reachability"]
+
+
+def training(peer: PeerProcess) -> dict[str, Any]:
+    return peer.status()["training"]
+
+
+def connection_to(peer: PeerProcess, other: PeerProcess) -> str | None:
+    for entry in peer.status()["peers"]:
+        if entry["peer_id"] == other.peer_id:
+            return str(entry["connection"])
+    return None
+
+
+def remote_calls(peer: PeerProcess) -> tuple[int, int]:
+    """(forward calls answered, calls failed) of ``peer``'s model to experts it does not host."""
+    client = (peer.status()["experts"] or {}).get("client") or {}
+    answered = failed = 0
+    for info in client.get("experts", {}).values():
+        forward, backward = info.get("forward", {}), info.get("backward", {})
+        answered += int(forward.get("calls", 0)) - int(forward.get("errors", 0))
+        failed += int(forward.get("errors", 0)) + int(backward.get("errors", 0))
+    return answered, failed
+
+
+@pytest.mark.timeout(300)
+def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, config: Path, tmp_path: Path) -> None:
+    common = ["--config", str(config)]
+    peers: list[NetnsPeer] = []
+
+    def start(name: str, *args: str) -> NetnsPeer:
+        peer = NetnsPeer(name, lab.ns(name), [*common, *args], tmp_path)
+        peers.append(peer)
+        return peer
+
+    try:
+        relay = start("relay", "-o", "training.enabled=false", "-o", "swarm.roles=[bootstrap]",
+                      "-o", "swarm.relay.reachability=public")
+        relay.wait_ready(60)
+        bootstrap = ["--initial-peers", public_maddr(relay, lab.addr("relay"))]
+        natted = ["-o", "swarm.relay.reachability=private"]
+        b = start("b", *bootstrap, *natted, "-o", f"experts={EXPERTS}")
+        a = start("a", *bootstrap, *natted)
+        pub = start("pub", *bootstrap)
+        for peer in (a, b, pub):
+            peer.wait_ready(90)
+
+        # each natted peer holds a slot on the relay and announces its relayed address
+        for peer in (a, b):
+            wait_for(lambda p=peer: reach(p)["relays"] == [relay.peer_id], 60, f"{peer.name} to reserve a slot")
+            assert reach(peer)["state"] == "relayed"
+            assert any("/p2p-circuit" in m for m in reach(peer)["addresses"])
+
+        # they average in groups with each other and the public peer, and a calls b's experts
+        wait_for(lambda: all(training(p)["rounds_ok"] >= 3 for p in (a, b, pub)), 150,
+                 "3 averaging rounds on each trainer", 0.5)
+        wait_for(lambda: remote_calls(a)[0] >= 10, 60, "10 expert calls from a to b's experts", 0.5)
+
+        # every connection between the natted peers crosses the relay; the relay counts what it carried
+        assert connection_to(a, b) == f"relay {relay.peer_id}", a.status()["peers"]
+        assert connection_to(b, a) == f"relay {relay.peer_id}", b.status()["peers"]
+        service = reach(relay)["relay_service"]
+        assert service["active"] is True and service["bytes_relayed"] > 0 and service["circuits_total"] >= 1, service
+        report_a, report_b = training(a), training(b)
+        sizes = {**report_a["group_sizes"]}
+        assert int(sizes.get("3", 0)) + int(sizes.get("2", 0)) >= 3, report_a
+        answered, failed = remote_calls(a)
+        print(f"\n[nat] a: rounds_ok={report_a['rounds_ok']} rounds_solo={report_a['rounds_solo']} "
+              f"group_sizes={report_a['group_sizes']}; b: rounds_ok={report_b['rounds_ok']} "
+              f"group_sizes={report_b['group_sizes']}; a's expert calls to b answered={answered} failed={failed}; "
+              f"relay: {service['bytes_relayed']} bytes in {service['circuits_total']} circuits, "
+              f"{service['reservations_open']} reservations")
+        assert failed <= answered // 5, (answered, failed)
+        for peer in reversed(peers):
+            assert peer.stop() == 0, peer.log_tail()
+    finally:
+        for peer in peers:
+            peer.kill()
