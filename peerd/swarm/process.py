@@ -21,7 +21,7 @@ from typing import Any
 from hivemind.dht import DHT
 from hivemind.p2p import P2P
 
-__all__ = ["IsolatedDHT"]
+__all__ = ["IsolatedDHT", "add_p2pd_flags"]
 
 
 class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type information
@@ -34,11 +34,11 @@ class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type informat
     def run(self) -> None:
         os.setpgid(0, 0)
         _die_with_parent()
-        _add_p2pd_flags(self.p2pd_flags)
+        add_p2pd_flags(self.p2pd_flags)
         super().run()
 
 
-def _add_p2pd_flags(flags: Mapping[str, int | str]) -> None:
+def add_p2pd_flags(flags: Mapping[str, int | str]) -> None:
     """Makes every p2pd this process starts get ``-name=value`` for each flag, after hivemind's own."""
     if not flags:
         return

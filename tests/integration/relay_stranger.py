@@ -1,0 +1,75 @@
+"""A libp2p node that is no member of the swarm and uses a peerd peer as its relay (test_relay_limits.py).
+
+    python relay_stranger.py sink RELAY_MADDR OUT_FILE          reserve a slot on the relay, count bytes received
+    python relay_stranger.py source RELAY_MADDR SINK_ID NBYTES  push NBYTES to the sink through the relay
+
+Both are plain hivemind P2P nodes (p2pd with autorelay; no peerd, no swarm secret): what any stranger who knows
+the relay's address can run. The sink writes ``{"peer_id", "relayed", "received"}`` to OUT_FILE as it goes; the
+source prints ``{"sent", "error"}`` once its stream is done or reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from hivemind.p2p import P2P, PeerID
+
+from peerd.swarm.process import add_p2pd_flags
+
+PROTOCOL = "stranger-sink"
+CHUNK = 64 * 1024
+
+
+async def sink(relay: str, out: Path) -> None:
+    add_p2pd_flags({"trustedRelays": relay, "relayDiscovery": 0})
+    p2p = await P2P.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"], use_auto_relay=True,
+                           force_reachability="private")
+    received = 0
+
+    def report(relayed: bool) -> None:
+        out.write_text(json.dumps({"peer_id": str(p2p.peer_id), "relayed": relayed, "received": received}))
+
+    async def handle(_info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal received
+        while data := await reader.read(CHUNK):
+            received += len(data)
+        report(True)
+        writer.write(b"done")  # the source waits for this, so that it stops only after the last byte arrived
+        await writer.drain()
+        writer.close()
+
+    await p2p.add_binary_stream_handler(PROTOCOL, handle)
+    while True:
+        addresses = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
+        report(any("/p2p-circuit" in a for a in addresses))
+        await asyncio.sleep(0.2)  # the test reads the file while this runs; it is stopped by a signal
+
+
+async def source(relay: str, sink_id: str, nbytes: int) -> None:
+    p2p = await P2P.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    sent, error = 0, None
+    try:
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(PeerID.from_base58(sink_id), PROTOCOL), 20)
+        chunk = b"\0" * CHUNK
+        while sent < nbytes:
+            writer.write(chunk)
+            await asyncio.wait_for(writer.drain(), 20)
+            sent += len(chunk)
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(4), 20)  # "done", or end of stream: either way the bytes are over
+        writer.close()
+    except (OSError, TimeoutError, RuntimeError, Exception) as e:  # noqa: BLE001 (any reset is the result)
+        error = repr(e)[:200]
+    print(json.dumps({"sent": sent, "error": error}), flush=True)
+    await p2p.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sink":
+        asyncio.run(sink(sys.argv[2], Path(sys.argv[3])))
+    else:
+        asyncio.run(source(sys.argv[2], sys.argv[3], int(sys.argv[4])))

@@ -1,0 +1,107 @@
+"""A stranger cannot take more from a peerd relay than ``swarm.relay.limits`` allows (real NAT, real p2pd).
+
+p2pd's relay service has no access list, so a libp2p node outside a private swarm can reserve a slot on a
+public peerd peer and open circuits through it (README, "Peers behind NAT"). What it can take is bounded:
+here two strangers behind their own NATs push data to each other through a peerd relay of a private swarm.
+With the bound set as p2pd ships it (4 GiB per circuit) all of it passes; with ``max_circuit_bytes`` set,
+the relay resets the circuit at the bound and counts what it carried in ``peerd status``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peerd.launcher import PeerProcess, wait_for
+from tests.integration.natlab import NatLab, NatLabUnavailable
+from tests.integration.test_nat import NetnsPeer, public_maddr
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+PUSHED = 8 * 2**20
+BOUND = 2**20
+P2PD_DEFAULT = 2**32  # p2pd's own -relayDataLimit
+
+
+@pytest.fixture
+def lab() -> Iterator[NatLab]:
+    try:
+        with NatLab(public=["relay"], natted=["s1", "s2"]) as built:
+            yield built
+    except NatLabUnavailable as e:
+        pytest.skip(f"NAT lab unavailable: {e}")
+
+
+def strangers_push(lab: NatLab, relay: PeerProcess, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sink's last report and the source's result after the source pushed PUSHED bytes via the relay."""
+    relay_maddr = public_maddr(relay, lab.addr("relay"))
+    report = tmp_path / "sink.json"
+    report.unlink(missing_ok=True)
+    script = str(HERE / "relay_stranger.py")
+    with open(tmp_path / "sink.log", "wb") as log:
+        sink = subprocess.Popen(lab.exec_prefix("s1") + [sys.executable, script, "sink", relay_maddr, str(report)],
+                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    try:
+        def relayed() -> dict[str, Any] | None:
+            data = json.loads(report.read_text()) if report.exists() and report.stat().st_size else None
+            return data if data and data["relayed"] else None
+
+        sink_id = wait_for(relayed, 60, "the stranger to get a slot on the peerd relay")["peer_id"]
+        pushed = subprocess.run(lab.exec_prefix("s2") + [sys.executable, script, "source", relay_maddr, sink_id,
+                                                         str(PUSHED)], capture_output=True, text=True, timeout=120)
+        assert pushed.stdout.strip(), pushed.stderr[-2000:]
+        result = json.loads(pushed.stdout.strip().splitlines()[-1])
+        previous = -1
+
+        def settled() -> dict[str, Any] | None:  # the sink stops counting once the stream is over
+            nonlocal previous
+            data = json.loads(report.read_text())
+            done = data["received"] == previous
+            previous = data["received"]
+            return data if done else None
+
+        return wait_for(settled, 30, "the sink's count to settle", 1.0), result
+    finally:
+        sink.kill()
+        sink.wait(10)
+
+
+def circuits_counted(relay: PeerProcess) -> dict[str, Any] | None:
+    """The relay's ``relay_service`` status once it counts the circuit (it refreshes every few seconds)."""
+    service: dict[str, Any] = relay.status()["reachability"]["relay_service"]
+    return service if (service["circuits_total"] or 0) >= 1 else None
+
+
+@pytest.mark.timeout(300)
+def test_a_stranger_gets_no_more_than_the_relay_limits(lab: NatLab, tmp_path: Path) -> None:
+    secret = tmp_path / "swarm.secret"
+    subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-secret", str(secret)], check=True,
+                   capture_output=True, timeout=60)
+    received = {}
+    for label, bound in (("defence off", P2PD_DEFAULT), ("defence on", BOUND)):
+        relay = NetnsPeer(f"relay-{bound}", lab.ns("relay"), [
+            "--config", str(HERE.parents[1] / "configs" / "local.yaml"), "--host-maddrs", "/ip4/0.0.0.0/tcp/0",
+            "-o", "control.port=0", "-o", "training.enabled=false", "-o", f"swarm.secret_path={secret}",
+            "-o", "swarm.relay.reachability=public", "-o", f"swarm.relay.limits.max_circuit_bytes={bound}",
+        ], tmp_path)
+        try:
+            relay.wait_ready(60)
+            sink, source = strangers_push(lab, relay, tmp_path)
+            service = wait_for(lambda r=relay: circuits_counted(r), 30, "the relay's status to count the circuit")
+            received[label] = sink["received"]
+            print(f"\n[relay limits] {label}: max_circuit_bytes={bound}; the stranger pushed {source['sent']} "
+                  f"bytes, {sink['received']} arrived (source error: {source['error']}); relay status: "
+                  f"{service['bytes_relayed']} bytes relayed, {service['circuits_total']} circuits")
+            assert service["bytes_relayed"] > 0, service
+            assert relay.stop() == 0, relay.log_tail()
+        finally:
+            relay.kill()
+    assert received["defence off"] == PUSHED  # without the bound, everything the stranger sent got through
+    assert received["defence on"] <= BOUND, received  # with it, the relay cut the circuit at the bound
