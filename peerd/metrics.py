@@ -10,7 +10,8 @@ a Prometheus histogram.
 Snapshot keys read (all optional; a missing value gives a family without samples, never a made-up zero):
 ``peer_id``, ``run_name``, ``software_version``, ``uptime``, ``peers`` (absent when ``dht_error`` is set),
 ``records_dropped`` (reason -> count), ``membership`` (``streams_refused``: reason -> count,
-``streams_accepted``, ``streams_open``, ``pending_bytes``),
+``streams_accepted``, ``streams_open``, ``pending_bytes``), ``reachability`` (``state``, ``connections``,
+``relay_service``: ``bytes_relayed``, ``circuits_total``, ``circuits_open``, ``reservations_open``),
 ``training`` (see ``TrainingReport.as_dict``) and ``experts`` (``calls``, ``errors``, ``latency``, reported
 once this daemon hosts or calls experts; until then those families hold zeros, which is what happened).
 """
@@ -148,6 +149,7 @@ class StatusCollector(Collector):
                 dropped.add_metric([str(reason)], value)
         yield dropped
         yield from self._membership(_mapping(status, "membership"))
+        yield from self._reachability(_mapping(status, "reachability"))
 
     def _membership(self, m: Mapping[str, Any] | None) -> Iterator[Metric]:
         refused = CounterMetricFamily("peerd_streams_refused", "Inbound streams refused before any payload was "
@@ -163,6 +165,29 @@ class StatusCollector(Collector):
         yield _gauge("peerd_streams_open", "Inbound peerd streams open now.", _number(m, "streams_open"))
         yield _gauge("peerd_streams_pending_bytes", "Bytes of inbound frames being received now (bounded by "
                      "swarm.streams).", _number(m, "pending_bytes"))
+
+    def _reachability(self, r: Mapping[str, Any] | None) -> Iterator[Metric]:
+        state = GaugeMetricFamily("peerd_reachability", "How other peers reach this one (the current state has "
+                                  "value 1): public, direct, relayed or unreachable.", labels=["state"])
+        if r is not None and r.get("state"):
+            state.add_metric([str(r["state"])], 1.0)
+        yield state
+        connections = GaugeMetricFamily("peerd_connections", "Open connections to other peers, by path.",
+                                        labels=["via"])
+        counts = _mapping(r, "connections") or {}
+        for via in counts:
+            if (value := _number(counts, via)) is not None:
+                connections.add_metric([str(via)], value)
+        yield connections
+        service = _mapping(r, "relay_service")
+        yield _counter("peerd_relay_bytes", "Bytes this peer's relay service carried for others.",
+                       _number(service, "bytes_relayed"))
+        yield _counter("peerd_relay_circuits", "Relayed connections this peer carried for others.",
+                       _number(service, "circuits_total"))
+        yield _gauge("peerd_relay_circuits_open", "Relayed connections open through this peer now.",
+                     _number(service, "circuits_open"))
+        yield _gauge("peerd_relay_reservations", "Peers holding a relay slot on this peer now.",
+                     _number(service, "reservations_open"))
 
     def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
         for name, key, doc in _TRAINING_GAUGES:

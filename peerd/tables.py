@@ -35,9 +35,40 @@ def format_peers(peers: Sequence[dict[str, Any]]) -> str:
             "-" if throughput is None else f"{throughput:.1f}",
             len(caps.get("experts", [])),
             f"{peer.get('age', 0):.1f}s",
+            _via(peer.get("connection")),
             (peer.get("maddrs") or ["-"])[0],
         ])
-    return format_table(["peer", "state", "roles", "version", "samples/s", "experts", "age", "address"], rows)
+    return format_table(["peer", "state", "roles", "version", "samples/s", "experts", "age", "via", "address"], rows)
+
+
+def _via(connection: Any) -> str:
+    text = str(connection or "-")
+    return f"relay {_short_id(text.removeprefix('relay '))}" if text.startswith("relay ") else text
+
+
+def format_reachability(reach: dict[str, Any]) -> list[str]:
+    """How this peer is reached, and what its relay service carries for others."""
+    state = reach.get("state")
+    configured = f" (swarm.relay.reachability: {reach.get('configured')})"
+    if state == "relayed":
+        how = "through relay " + ", ".join(_short_id(r) for r in reach.get("relays", []))
+    elif state == "unreachable":
+        how = "NOT reachable: behind NAT and no relay holds a slot for this peer yet"
+    else:
+        how = f"{state}, at its own addresses"
+    conns = reach.get("connections") or {}
+    lines = [(f"reachable: {how}{configured}; connections: {conns.get('direct', 0)} direct, "
+              f"{conns.get('relayed', 0)} relayed")]
+    service = reach.get("relay_service") or {}
+    if not service.get("enabled"):
+        lines.append("relaying:  off (swarm.relay.serve)")
+    elif not service.get("active"):
+        lines.append("relaying:  on, idle until this peer is known to be reachable")
+    else:
+        lines.append(f"relaying:  {service.get('reservations_open', 0)} slots held, {service.get('circuits_open', 0)} "
+                     f"circuits open ({service.get('circuits_total', 0)} so far), "
+                     f"{(service.get('bytes_relayed') or 0) / 2**20:.1f} MiB relayed")
+    return lines
 
 
 def format_status(data: dict[str, Any]) -> str:
@@ -53,6 +84,8 @@ def format_status(data: dict[str, Any]) -> str:
         refused = membership.get("streams_refused") or {}
         detail = f", refused {sum(refused.values())} streams ({', '.join(f'{k}: {v}' for k, v in refused.items())})"
         lines.append(f"swarm:     {membership.get('mode')}" + (detail if refused else ""))
+    if data.get("reachability"):
+        lines += format_reachability(data["reachability"])
     if data.get("dht_error"):
         lines.append(f"warning:   {data['dht_error']}")
     training = data.get("training")

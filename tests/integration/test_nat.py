@@ -21,7 +21,7 @@ from tests.conftest import REPO
 from tests.integration.natlab import NatLab, NatLabUnavailable
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from _netns_peerd import NetnsPeer  # noqa: E402  (benchmarks/ is not a package)
+from _netns_peerd import NetnsPeer  # benchmarks/ is on sys.path, not a package
 
 pytestmark = pytest.mark.integration
 

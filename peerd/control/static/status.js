@@ -57,6 +57,7 @@ function renderFacts(status) {
     ["uptime", fmtSeconds(status.uptime)],
     ["version", status.software_version],
     ["addresses", (status.maddrs || []).join("\n") || "-"],
+    ...reachabilityFacts(status.reachability),
   ];
   if (t) {
     const diloco = t.mode === "diloco";
@@ -82,12 +83,37 @@ function renderFacts(status) {
   dl.replaceChildren(...facts.flatMap(([k, v]) => [node("dt", k), node("dd", v === undefined ? "-" : v)]));
 }
 
+function reachabilityFacts(reach) {
+  if (!reach) return [];
+  const how = {
+    relayed: `through relay ${(reach.relays || []).map(shortId).join(", ")}`,
+    unreachable: "NOT reachable: behind NAT, no relay holds a slot yet",
+  }[reach.state] || `${reach.state}, at its own addresses`;
+  const conns = reach.connections || {};
+  const service = reach.relay_service || {};
+  let relaying = "off";
+  if (service.enabled) {
+    relaying = service.active
+      ? `${service.reservations_open} slots held, ${service.circuits_open} circuits open, ${fmtBytes(service.bytes_relayed)} relayed`
+      : "on, idle until this peer is known to be reachable";
+  }
+  return [
+    ["reachable", `${how} (${conns.direct || 0} direct, ${conns.relayed || 0} relayed connections)`],
+    ["relaying for others", relaying],
+  ];
+}
+
+function via(connection) {
+  const text = String(connection || "-");
+  return text.startsWith("relay ") ? `relay ${shortId(text.slice(6))}` : text;
+}
+
 function renderPeers(status) {
   const t = status.training;
   const self = row([
     node("td", `${shortId(status.peer_id)} (this peer)`, { title: status.peer_id }),
     status.state, (status.roles || []).join(","), t ? fmt(t.samples_per_second, 1) : "-",
-    status.software_version, "-", "-", (status.maddrs || ["-"])[0],
+    status.software_version, "-", "-", "-", (status.maddrs || ["-"])[0],
   ], "self");
   const peers = [...(status.peers || [])].sort((a, b) => String(a.peer_id).localeCompare(String(b.peer_id)));
   const rows = peers.map((p) => {
@@ -95,7 +121,7 @@ function renderPeers(status) {
     return row([
       node("td", shortId(p.peer_id), { title: String(p.peer_id) }),
       p.state, (p.roles || []).join(","), fmt(caps.throughput, 1), p.software_version,
-      (caps.experts || []).length, fmtSeconds(p.age), (p.maddrs || ["-"])[0],
+      (caps.experts || []).length, fmtSeconds(p.age), via(p.connection), (p.maddrs || ["-"])[0],
     ], "peer");
   });
   byId("peers-table").tBodies[0].replaceChildren(self, ...rows);
