@@ -6,7 +6,9 @@ Public peers can relay for others. Everything here configures p2pd's own relay c
 AutoNAT, the circuit relay v2 resource limits); peerd adds no transport of its own.
 
 p2pd has no access list for its relay service: any libp2p node that reaches a relaying peer can reserve a
-slot and open circuits, member of the swarm or not. peerd's membership handshake still guards every peerd
+slot and open circuits, member of the swarm or not. And p2pd always runs libp2p's default relay service as
+well (128 KiB and two minutes per circuit); the configured one (``serve``, :class:`RelayLimits`) replaces it
+once AutoNAT finds the peer reachable. peerd's membership handshake still guards every peerd
 stream that crosses a circuit, so a stranger gains nothing from the swarm through a relay; what a stranger
 can take is the relay's bandwidth, and :class:`RelayLimits` bounds that (README, "Peers behind NAT").
 """
@@ -44,14 +46,16 @@ class RelayConfig(Section):
 
     reachability: Reachability = Field(
         default="auto", description="auto: AutoNAT (other peers try to dial us back) decides whether this "
-        "peer is reachable; private: it is behind NAT, reserve a slot on a relay at once; public: it is "
-        "reachable as it is (never uses a relay, relays for others at once when serve is on).")
+        "peer is reachable, and a peer found unreachable reserves a slot on a relay; private: it is behind NAT, "
+        "reserve a slot at once; public: never use a relay (AutoNAT still decides when relaying for others "
+        "starts).")
     relays: list[str] = Field(
         default_factory=list, description="Relays to reserve a slot on when this peer is not reachable, each "
         "ending in /p2p/<peer id>. Empty: the initial peers.")
     serve: bool = Field(
-        default=True, description="Relay for others within `limits` (libp2p starts the service only once "
-        "this peer is known to be reachable). Off: never relay.")
+        default=True, description="Relay for others within `limits` (libp2p starts the service once AutoNAT "
+        "finds this peer reachable). Off: only p2pd's built-in default relay service runs (libp2p's defaults: "
+        "128 KiB and two minutes per circuit), which p2pd offers whenever circuit relay is on.")
     limits: RelayLimits = Field(default_factory=lambda: RelayLimits(), description="Bounds of the relay service.")
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Loopback port where p2pd serves its own metrics, which peerd "

@@ -32,19 +32,19 @@ def p2pd_options(config: SwarmConfig, metrics_port: int) -> tuple[dict[str, Any]
     relay = config.relay
     kwargs: dict[str, Any] = {}
     flags: dict[str, int | str] = {}
-    if relay.reachability == "public":
-        kwargs["force_reachability"] = "public"
-    else:
-        if relay.reachability == "private":
-            kwargs["force_reachability"] = "private"
-        kwargs["use_auto_relay"] = True  # libp2p's autorelay acts only while this peer is found unreachable
-        if config.relays:
-            # As flags, not hivemind's trusted_relays: hivemind's probe of whether our identity is taken starts
-            # a p2pd with autorelay too, and p2pd refuses autorelay without discovery unless relays are given.
-            flags["trustedRelays"] = ",".join(config.relays)
-            # Static relays: a slot is reserved at once. With discovery on, autorelay waits for four
-            # candidates or three minutes, and a small swarm has fewer.
-            flags["relayDiscovery"] = 0
+    # A peer is never forced public: p2pd always starts libp2p's default relay service too (128 KiB and two
+    # minutes per circuit), and the configured one only wins if it registers later, which it does when AutoNAT
+    # finds us reachable some seconds after start; forced public, the two race at start-up.
+    kwargs["use_auto_relay"] = relay.reachability != "public"
+    if relay.reachability == "private":
+        kwargs["force_reachability"] = "private"
+    if kwargs["use_auto_relay"] and config.relays:
+        # As flags, not hivemind's trusted_relays: hivemind's probe of whether our identity is taken starts
+        # a p2pd with autorelay too, and p2pd refuses autorelay without discovery unless relays are given.
+        flags["trustedRelays"] = ",".join(config.relays)
+        # Static relays: a slot is reserved at once. With discovery on, autorelay waits for four
+        # candidates or three minutes, and a small swarm has fewer.
+        flags["relayDiscovery"] = 0
     limits = relay.limits
     flags.update({
         "relayService": int(relay.serve),
@@ -126,6 +126,7 @@ class Reachability:
         self._state = "starting"
         self._since = time.monotonic()
         self._warned = False
+        self._metrics_error: str | None = None
 
     @property
     def relays(self) -> list[str]:
@@ -148,8 +149,12 @@ class Reachability:
             async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
                         session.get(self.metrics_url) as response):
                 self.service = RelayService.parse(await response.text())
+            self._metrics_error = None
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            logger.debug("Could not read p2pd's metrics at %s: %r", self.metrics_url, e)
+            if self._metrics_error is None:  # once per streak: status polls would repeat it every few seconds
+                logger.warning("Could not read p2pd's metrics at %s (%r): relay counters stay unknown",
+                               self.metrics_url, e)
+            self._metrics_error = repr(e)
         self._log_changes()
 
     def _log_changes(self) -> None:

@@ -17,18 +17,23 @@ So a natted host can dial any public host (its connections leave from its router
 open a connection to it: the internet has no route to its 192.168 network, and its router forwards only
 replies. Two natted hosts cannot dial each other at all, like two home machines behind different routers.
 
-Needs root and iproute2 + iptables; otherwise entering raises :class:`NatLabUnavailable` with the reason.
+Needs root and iproute2 + iptables; otherwise entering raises :class:`NatLabUnavailable` with the reason, and
+:func:`nat_lab_or_skip` skips the test with it (in CI, where the test machines are root, it fails instead).
 Everything named ``peerdnat-*`` is removed on exit and on entry (left over from an interrupted run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Self
+
+import pytest
 
 PREFIX = "peerdnat-"
 WAN_NS = f"{PREFIX}wan"
@@ -160,3 +165,18 @@ class NatLab:
         proc = subprocess.run(self.exec_prefix(src) + [sys.executable, "-c", code, dst_addr, str(port), str(timeout)],
                               check=False, capture_output=True, timeout=timeout + 10)
         return proc.returncode == 0
+
+
+@contextlib.contextmanager
+def nat_lab_or_skip(public: list[str], natted: list[str]) -> Iterator[NatLab]:
+    """The lab for a test; skips with the reason where it cannot be built, except in CI (``CI=true``)."""
+    try:
+        lab = NatLab(public, natted).__enter__()
+    except NatLabUnavailable as e:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"NAT lab unavailable: {e}")
+    try:
+        yield lab
+    finally:
+        lab.__exit__(None, None, None)

@@ -5,7 +5,7 @@
 
 Both are plain hivemind P2P nodes (p2pd with autorelay; no peerd, no swarm secret): what any stranger who knows
 the relay's address can run. The sink writes ``{"peer_id", "relayed", "received"}`` to OUT_FILE as it goes; the
-source prints ``{"sent", "error"}`` once its stream is done or reset.
+source prints ``{"sent", "error", "path"}`` (the address its stream went to) once its stream is done or reset.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ async def sink(relay: str, out: Path) -> None:
 
 async def source(relay: str, sink_id: str, nbytes: int) -> None:
     p2p = await P2P.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
-    sent, error = 0, None
+    sent, error, path = 0, None, None
     try:
-        _, reader, writer = await asyncio.wait_for(
+        info, reader, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(sink_id), PROTOCOL), 20)
+        path = str(info.addr)
         chunk = b"\0" * CHUNK
         while sent < nbytes:
             writer.write(chunk)
@@ -64,7 +65,7 @@ async def source(relay: str, sink_id: str, nbytes: int) -> None:
         writer.close()
     except (OSError, TimeoutError, RuntimeError, Exception) as e:  # noqa: BLE001 (any reset is the result)
         error = repr(e)[:200]
-    print(json.dumps({"sent": sent, "error": error}), flush=True)
+    print(json.dumps({"sent": sent, "error": error, "path": path}), flush=True)
     await p2p.shutdown()
 
 

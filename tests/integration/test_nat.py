@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 
 from peerd.launcher import PeerProcess, wait_for
 from tests.conftest import REPO
-from tests.integration.natlab import NatLab, NatLabUnavailable
+from tests.integration.natlab import NatLab, nat_lab_or_skip
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _netns_peerd import NetnsPeer  # benchmarks/ is on sys.path, not a package
@@ -62,11 +63,8 @@ EXPERTS = (f"{{uid_prefix: 'ffn.1.', count: 4, first_index: 0, hidden_dim: {HIDD
 
 @pytest.fixture
 def lab() -> Iterator[NatLab]:
-    try:
-        with NatLab(public=["relay", "pub"], natted=["a", "b"]) as built:
-            yield built
-    except NatLabUnavailable as e:
-        pytest.skip(f"NAT lab unavailable: {e}")
+    with nat_lab_or_skip(public=["relay", "pub"], natted=["a", "b"]) as built:
+        yield built
 
 
 @pytest.fixture
@@ -120,8 +118,7 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         return peer
 
     try:
-        relay = start("relay", "-o", "training.enabled=false", "-o", "swarm.roles=[bootstrap]",
-                      "-o", "swarm.relay.reachability=public")
+        relay = start("relay", "-o", "training.enabled=false", "-o", "swarm.roles=[bootstrap]")
         relay.wait_ready(60)
         bootstrap = ["--initial-peers", public_maddr(relay, lab.addr("relay"))]
         natted = ["-o", "swarm.relay.reachability=private"]
@@ -132,10 +129,13 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
             peer.wait_ready(90)
 
         # each natted peer holds a slot on the relay and announces its relayed address
+        ready_at = time.monotonic()
         for peer in (a, b):
             wait_for(lambda p=peer: reach(p)["relays"] == [relay.peer_id], 60, f"{peer.name} to reserve a slot")
             assert reach(peer)["state"] == "relayed"
             assert any("/p2p-circuit" in m for m in reach(peer)["addresses"])
+        slots_after = time.monotonic() - ready_at
+        calls_before = remote_calls(a)  # calls made before b had its slot could not reach b
 
         # they average in groups with each other and the public peer, and a calls b's experts
         wait_for(lambda: all(training(p)["rounds_ok"] >= 3 for p in (a, b, pub)), 150,
@@ -150,10 +150,10 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         report_a, report_b = training(a), training(b)
         sizes = {**report_a["group_sizes"]}
         assert int(sizes.get("3", 0)) + int(sizes.get("2", 0)) >= 3, report_a
-        answered, failed = remote_calls(a)
-        print(f"\n[nat] a: rounds_ok={report_a['rounds_ok']} rounds_solo={report_a['rounds_solo']} "
+        answered, failed = (now - before for now, before in zip(remote_calls(a), calls_before, strict=True))
+        print(f"\n[nat] both natted peers relayed {slots_after:.1f}s after their ready lines; a: rounds_ok={report_a['rounds_ok']} rounds_solo={report_a['rounds_solo']} "
               f"group_sizes={report_a['group_sizes']}; b: rounds_ok={report_b['rounds_ok']} "
-              f"group_sizes={report_b['group_sizes']}; a's expert calls to b answered={answered} failed={failed}; "
+              f"group_sizes={report_b['group_sizes']}; a's expert calls to b since then answered={answered} failed={failed}; "
               f"relay: {service['bytes_relayed']} bytes in {service['circuits_total']} circuits, "
               f"{service['reservations_open']} reservations")
         assert failed <= answered // 5, (answered, failed)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import PeerProcess, wait_for
-from tests.integration.natlab import NatLab, NatLabUnavailable
+from tests.integration.natlab import NatLab, nat_lab_or_skip
 from tests.integration.test_nat import NetnsPeer, public_maddr
 
 pytestmark = pytest.mark.integration
@@ -32,11 +32,8 @@ P2PD_DEFAULT = 2**32  # p2pd's own -relayDataLimit
 
 @pytest.fixture
 def lab() -> Iterator[NatLab]:
-    try:
-        with NatLab(public=["relay"], natted=["s1", "s2"]) as built:
-            yield built
-    except NatLabUnavailable as e:
-        pytest.skip(f"NAT lab unavailable: {e}")
+    with nat_lab_or_skip(public=["relay", "pub"], natted=["s1", "s2"]) as built:
+        yield built
 
 
 def strangers_push(lab: NatLab, relay: PeerProcess, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -85,24 +82,42 @@ def test_a_stranger_gets_no_more_than_the_relay_limits(lab: NatLab, tmp_path: Pa
     secret = tmp_path / "swarm.secret"
     subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-secret", str(secret)], check=True,
                    capture_output=True, timeout=60)
+    member = ["--config", str(HERE.parents[1] / "configs" / "local.yaml"), "--host-maddrs", "/ip4/0.0.0.0/tcp/0",
+              "-o", "control.port=0", "-o", "training.enabled=false", "-o", f"swarm.secret_path={secret}"]
+    # a second public member: AutoNAT needs another peer to dial the relay back before its relay service starts
+    pub = NetnsPeer("pub", lab.ns("pub"), member, tmp_path)
     received = {}
-    for label, bound in (("defence off", P2PD_DEFAULT), ("defence on", BOUND)):
-        relay = NetnsPeer(f"relay-{bound}", lab.ns("relay"), [
-            "--config", str(HERE.parents[1] / "configs" / "local.yaml"), "--host-maddrs", "/ip4/0.0.0.0/tcp/0",
-            "-o", "control.port=0", "-o", "training.enabled=false", "-o", f"swarm.secret_path={secret}",
-            "-o", "swarm.relay.reachability=public", "-o", f"swarm.relay.limits.max_circuit_bytes={bound}",
-        ], tmp_path)
-        try:
-            relay.wait_ready(60)
-            sink, source = strangers_push(lab, relay, tmp_path)
-            service = wait_for(lambda r=relay: circuits_counted(r), 30, "the relay's status to count the circuit")
-            received[label] = sink["received"]
-            print(f"\n[relay limits] {label}: max_circuit_bytes={bound}; the stranger pushed {source['sent']} "
-                  f"bytes, {sink['received']} arrived (source error: {source['error']}); relay status: "
-                  f"{service['bytes_relayed']} bytes relayed, {service['circuits_total']} circuits")
-            assert service["bytes_relayed"] > 0, service
-            assert relay.stop() == 0, relay.log_tail()
-        finally:
-            relay.kill()
+    try:
+        pub.wait_ready(60)
+        for label, bound in (("defence off", P2PD_DEFAULT), ("defence on", BOUND)):
+            received[label] = relay_for_strangers(lab, pub, member, label, bound, tmp_path)
+        assert pub.stop() == 0, pub.log_tail()
+    finally:
+        pub.kill()
     assert received["defence off"] == PUSHED  # without the bound, everything the stranger sent got through
     assert received["defence on"] <= BOUND, received  # with it, the relay cut the circuit at the bound
+
+
+def relay_for_strangers(lab: NatLab, pub: PeerProcess, member: list[str], label: str, bound: int,
+                        tmp_path: Path) -> int:
+    """Bytes that reached the sink through a new peerd relay with ``max_circuit_bytes=bound``."""
+    relay = NetnsPeer(f"relay-{bound}", lab.ns("relay"), [
+        *member, "--initial-peers", public_maddr(pub, lab.addr("pub")),
+        "-o", f"swarm.relay.limits.max_circuit_bytes={bound}"], tmp_path)
+    try:
+        relay.wait_ready(60)
+        wait_for(lambda: relay.status()["reachability"]["relay_service"]["active"], 90,
+                 "AutoNAT to find the relay reachable and its relay service to start", 0.5)
+        sink, source = strangers_push(lab, relay, tmp_path)
+        try:
+            service = wait_for(lambda r=relay: circuits_counted(r), 30, "the relay's status to count the circuit")
+        except TimeoutError:
+            raise AssertionError((sink, source, relay.status()["reachability"], relay.log_tail())) from None
+        print(f"\n[relay limits] {label}: max_circuit_bytes={bound}; the stranger pushed {source['sent']} "
+              f"bytes, {sink['received']} arrived (source error: {source['error']}); relay status: "
+              f"{service['bytes_relayed']} bytes relayed, {service['circuits_total']} circuits")
+        assert service["bytes_relayed"] > 0, service
+        assert relay.stop() == 0, relay.log_tail()
+        return int(sink["received"])
+    finally:
+        relay.kill()

@@ -37,7 +37,7 @@ libp2p_rcmgr_memory{protocol="/libp2p/circuit/relay/0.2.0/hop",scope="protocol"}
 def test_p2pd_is_told_to_reserve_on_the_bootstrap_peers_at_once_when_private() -> None:
     config = SwarmConfig(initial_peers=[BOOTSTRAP], relay={"reachability": "private"})
     kwargs, flags = p2pd_options(config, 9100)
-    assert kwargs == {"force_reachability": "private", "use_auto_relay": True}
+    assert kwargs == {"use_auto_relay": True, "force_reachability": "private"}
     assert flags["trustedRelays"] == BOOTSTRAP and flags["relayDiscovery"] == 0  # static: no 3-minute wait
     assert flags["metricsAddr"] == "127.0.0.1:9100"
 
@@ -47,7 +47,7 @@ def test_relay_limits_reach_p2pd_and_a_public_peer_never_uses_a_relay() -> None:
                                 "limits": {"max_circuit_bytes": 2**20, "max_circuit_seconds": 90,
                                            "max_reservations": 3, "max_circuits": 2, "buffer_bytes": 8192}})
     kwargs, flags = p2pd_options(config, 9100)
-    assert kwargs == {"force_reachability": "public"}
+    assert kwargs == {"use_auto_relay": False}  # never forced public: see p2pd_options
     assert "trustedRelays" not in flags
     assert (flags["relayService"], flags["relayDataLimit"], flags["relayTimeLimit"], flags["relayMaxReservations"],
             flags["relayMaxCircuits"], flags["relayBufferSize"]) == (1, 2**20, "90s", 3, 2, 8192)
