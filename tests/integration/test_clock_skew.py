@@ -63,8 +63,13 @@ def test_peers_within_the_dht_tolerance_average_together(anchor: PeerProcess, tm
         skewed.wait_ready(60)
         before = training(anchor)["rounds_ok"]
         wait_for(lambda: skewed.peer_id in anchor.seen_peer_ids(), 30, "the anchor to see the skewed peer")
-        wait_for(lambda: training(skewed)["rounds_ok"] >= 2 and training(anchor)["rounds_ok"] >= before + 2, 60,
-                 f"two averaged rounds with a clock offset of {offset:+g}s (log: {skewed.log_path})", 0.5)
+        try:
+            wait_for(lambda: training(skewed)["rounds_ok"] >= 2 and training(anchor)["rounds_ok"] >= before + 2, 60,
+                     f"two averaged rounds with a clock offset of {offset:+g}s", 0.5)
+        except TimeoutError as e:
+            counts = {p.name: {k: training(p)[k] for k in ("step", "rounds_ok", "rounds_solo")}
+                      for p in (anchor, skewed)}
+            raise AssertionError(f"{e}; anchor had {before} rounds before; now {counts}\n{skewed.log_tail()}") from e
         report = training(skewed)
         assert report["last_round"]["group_size"] == 2, report
         assert report["averaging"]["stalled"] is False

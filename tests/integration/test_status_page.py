@@ -213,9 +213,9 @@ def test_status_page_renders_peers_and_the_loss_curve_in_chromium(
     swarm: LocalSwarm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no chromium at {CHROMIUM}: scripts/setup.sh installs Debian's `chromium` package "
-                    "when apt-get is available (as root or with passwordless sudo); without it this test "
-                    "cannot run")
+        pytest.skip(f"no chromium at {CHROMIUM}: scripts/install-system-packages.sh (run by scripts/test) "
+                    "installs Debian's `chromium` package when apt-get is available (as root or with "
+                    "passwordless sudo); without it this test cannot run")
     peer = swarm.peers[0]
     wait_for(lambda: (peer.status()["training"] or {}).get("step", 0) >= 12, 60, "peer0 to reach step 12",
              0.5)
