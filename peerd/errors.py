@@ -9,7 +9,7 @@ them into a one-line message and a non-zero exit code) can catch them in one pla
     ├── IdentityError            an identity key file is missing, unreadable or not a key
     ├── ClockSkewError           this machine's clock is further off the swarm's than the DHT admits (``offset``)
     ├── TransportError           talking to other peers failed
-    │   ├── BootstrapError       none of the initial peers could be reached after bounded retries
+    │   ├── BootstrapError       no initial peer could be reached after bounded retries, or one refused us
     │   ├── PeerUnreachable      one peer could not be reached
     │   └── RPCTimeout           a call to a peer did not finish in time
     ├── ProtocolViolation        a peer sent something invalid (record, tensor, message); names the peer
