@@ -161,6 +161,7 @@ new Promise((resolve) => {
       drawn: line ? line.points.numberOfItems : 0, dots: chart.querySelectorAll("circle.validation").length,
       peers, rounds: document.querySelectorAll("#rounds-table tbody tr").length,
       experts: document.getElementById("no-experts").textContent,
+      stallShown: !document.getElementById("averaging-stalled").hidden,
     };
     const ready = state.points >= 5 && state.validation >= 2 && peers >= 1 && state.rounds >= 1;
     if (ready) resolve(state);
@@ -237,6 +238,7 @@ def test_status_page_renders_peers_and_the_loss_curve_in_chromium(
     assert state["errors"] == [], state["errors"]  # no script error, no blocked or failed request
     assert state["drawn"] == state["points"] >= 5 and state["dots"] == state["validation"] >= 2
     assert state["peers"] == 1 and "No peer in the swarm serves experts" in state["experts"]
+    assert state["stallShown"] is False  # the peers average: no "averaging has stopped" banner
     assert state["png"].startswith(b"\x89PNG") and len(state["png"]) > 10_000
     SCREENSHOT.parent.mkdir(exist_ok=True)
     SCREENSHOT.write_bytes(state["png"])

@@ -126,3 +126,16 @@ def test_a_stall_shows_in_the_status_text_the_progress_line_and_metrics() -> Non
     assert samples["peerd_averaging_stalled"] == 1.0 and samples["peerd_averaging_failed_streak"] == 3.0
     report.health.averaged()
     assert "averaging has stopped" not in format_status({**status, "training": report.as_dict()})
+
+
+def test_only_the_dht_process_s_abandoned_rpc_handlers_are_filtered() -> None:
+    from peerd.log import _abandoned_dht_rpc
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+    abandoned = ("Task was destroyed but it is pending!\ntask: <Task pending name='Task-20' coro=<DHTProtocol.rpc_ping() "
+                 "running at /venv/lib/python3.11/site-packages/hivemind/dht/protocol.py:144>>")
+    assert not _abandoned_dht_rpc(record(abandoned))
+    assert _abandoned_dht_rpc(record("Task was destroyed but it is pending!\ntask: <Task pending coro=<mine()>>"))
+    assert _abandoned_dht_rpc(record("Task exception was never retrieved"))
