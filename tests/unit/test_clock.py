@@ -60,13 +60,13 @@ def test_bootstrap_turns_the_refusal_into_a_clock_error_without_retrying(monkeyp
     monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(refuse))
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
     with pytest.raises(ClockSkewError, match=r"clock offset \+30\.0 s"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership()))
+        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0))
     assert len(calls) == 1
 
     monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(lambda *a: (_ for _ in ()).throw(
         DHTValidationError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall"))))
     with pytest.raises(BootstrapError, match="refused this one: Peer X can't access"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership()))
+        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0))
 
 
 def test_ttls_shorter_than_their_refresh_plus_the_admitted_offset_are_named() -> None:
