@@ -27,6 +27,7 @@ from peerd.config import PeerdConfig
 from peerd.control.server import ControlServer
 from peerd.control.terminal import TerminalProgress
 from peerd.errors import DaemonError, PeerdError
+from peerd.swarm.clock import ttl_margin_problems
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
 from peerd.wire.guard import StreamGuard
@@ -71,6 +72,8 @@ class Daemon:
                            "'Private swarms')")
         else:
             logger.info("Membership: %s; only members are served", self.membership.describe())
+        for problem in ttl_margin_problems(self.config):
+            logger.warning("%s", problem)
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)

@@ -7,8 +7,9 @@ them into a one-line message and a non-zero exit code) can catch them in one pla
     ├── ConfigError              a config file, env var or CLI flag is invalid (names the field and value)
     │   └── AddressError         a user-typed multiaddr is malformed or unusable
     ├── IdentityError            an identity key file is missing, unreadable or not a key
+    ├── ClockSkewError           this machine's clock is further off the swarm's than the DHT admits (``offset``)
     ├── TransportError           talking to other peers failed
-    │   ├── BootstrapError       none of the initial peers could be reached after bounded retries
+    │   ├── BootstrapError       no initial peer could be reached after bounded retries, or one refused us
     │   ├── PeerUnreachable      one peer could not be reached
     │   └── RPCTimeout           a call to a peer did not finish in time
     ├── ProtocolViolation        a peer sent something invalid (record, tensor, message); names the peer
@@ -53,6 +54,11 @@ class AddressError(ConfigError, ValueError):
 
 class IdentityError(PeerdError):
     """An identity key file that cannot be used."""
+
+
+class ClockSkewError(PeerdError):
+    """The DHT refused to join: this machine's clock is ``offset`` seconds off an initial peer's (``peers``),
+    more than hivemind admits; retrying cannot help, syncing the clock does."""
 
 
 class TransportError(PeerdError):

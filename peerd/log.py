@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 
 from peerd.config import LoggingConfig
 
@@ -40,3 +41,14 @@ def route_hivemind_logs(config: LoggingConfig) -> None:
     use_hivemind_log_handler("nowhere")
     level = logging.getLevelName(config.level)
     logging.getLogger("hivemind").setLevel(max(logging.WARNING, level))
+    # When an initial peer refuses the join (e.g. a clock too far off), hivemind's DHT process closes its loop
+    # with the handler of that peer's ping back still pending; asyncio and the interpreter then report the
+    # abandoned coroutine, several lines of noise around the one line that says what to fix. The DHT process
+    # is forked from here, so it inherits both filters.
+    logging.getLogger("asyncio").addFilter(_abandoned_dht_rpc)
+    warnings.filterwarnings("ignore", r"coroutine 'DHTProtocol\.rpc_\w+' was never awaited", RuntimeWarning)
+
+
+def _abandoned_dht_rpc(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task was destroyed but it is pending") and "/hivemind/dht/" in message)

@@ -192,6 +192,13 @@ class StatusCollector(Collector):
     def _training(self, t: Mapping[str, Any] | None) -> Iterator[Metric]:
         for name, key, doc in _TRAINING_GAUGES:
             yield _gauge(name, doc, _number(t, key))
+        averaging = _mapping(t, "averaging")
+        stalled = averaging.get("stalled") if averaging is not None else None
+        yield _gauge("peerd_averaging_stalled", "1 while rounds keep ending without averaging although other "
+                     "trainers are in view (this peer trains alone), else 0.",
+                     float(stalled) if isinstance(stalled, bool) else None)
+        yield _gauge("peerd_averaging_failed_streak", "Rounds in a row that ended without averaging while other "
+                     "trainers were in view.", _number(averaging, "failed_streak"))
         yield _counter("peerd_training_compute_seconds", "Seconds spent in forward, backward and inner "
                        "optimizer steps.", _number(t, "compute_seconds"))
         yield _counter("peerd_training_state_syncs", "Times this peer downloaded the training state from "

@@ -91,6 +91,12 @@ def format_status(data: dict[str, Any]) -> str:
     training = data.get("training")
     if training:
         lines.append(f"training:  {training.get('mode')} | {format_progress(training)}")
+        averaging = training.get("averaging") or {}
+        if averaging.get("stalled"):
+            lines.append(f"WARNING:   averaging has stopped: {averaging.get('failed_streak')} rounds in "
+                         f"{averaging.get('failing_for', 0):.0f} s without averaging although "
+                         f"{averaging.get('others_in_view')} other trainer(s) in view; last failure: "
+                         f"{averaging.get('last_error')}")
         download = (training.get("state_transfer") or {}).get("download") or {}
         if download.get("state") in ("downloading", "failed"):
             lines.append(f"state:     {download['state']} {download.get('bytes_done', 0) / 2**20:.1f} of "

@@ -3,13 +3,25 @@
 For round key ``K`` (run, model fingerprint, step, kind), each ready peer stores ``{t: its DHT time}`` under
 ``K`` with its peer id as subkey. The peer with the earliest registration (ties: smallest id) is the
 leader: once the window after its own registration has passed, or as many peers as expected are in, it
-splits the registered peers, in registration order, into groups of at most ``target_group_size`` and
-stores them under the subkey ``groups:<its peer id>``. Everyone else waits (bounded) for the decision of
-the leader they compute from the registrations, so every member acts on the same list. A peer left in no
-group, or in one below ``min_group_size``, raises GroupFailed.
+splits the peers whose registrations it has received, in registration order, into groups of at most
+``target_group_size`` and stores them under the subkey ``groups:<its peer id>``. A published decision is
+final: every registrant that reads one takes it (among several, the one of the earliest registered leader),
+so every member acts on the same list. A peer left in no group, or in one below ``min_group_size``, raises
+GroupFailed.
+
+Clocks. ``t`` is read on its writer's clock, and peers' clocks differ by up to 3 s (what hivemind's DHT
+admits: ``peerd.swarm.clock``). We chose to make no decision depend on comparing one peer's time with
+another's, rather than to measure and correct offsets (a DHT round trip of unknown length would blur any
+estimate, and every member would have to agree on it). ``t`` only orders registrations, which every reader
+sees alike; the window is timed by the leader on its own monotonic clock from its own registration; the
+groups hold what the leader had received when it closed, not the registrations whose ``t`` fell before a
+cut-off (a peer 2 s ahead used to land past the leader's window and average in no round); and because
+decisions are final, a peer whose clock is behind, registering after a decision, cannot make itself a
+second leader with an earlier ``t``. So a skewed peer is grouped exactly as if its clock were right, at any
+offset; only its place in the order moves.
 
 Every entry is signed by the peer its subkey names (``peerd.swarm.signing``), so nobody can register for
-another peer, and a decision is taken only from the leader: stored under the leader's own subkey, it cannot
+another peer, and a decision is taken only from a registered peer: stored under its own subkey, it cannot
 be overwritten by anyone else. Entries that fail validation are ignored, counted and logged.
 """
 
@@ -20,6 +32,7 @@ import hashlib
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -27,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from peerd.averaging.group import Group
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
+from peerd.swarm.clock import MAX_CLOCK_OFFSET
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PeerIdStr
 
@@ -54,36 +68,37 @@ def group_id(key: str, members: tuple[str, ...]) -> str:
 
 
 class Matchmaker:
-    def __init__(self, swarm: SwarmNode, config: AveragingConfig) -> None:
+    def __init__(self, swarm: SwarmNode, config: AveragingConfig, clock: Callable[[], float] = now) -> None:
+        """``clock``: this peer's DHT time (tests give peers skewed ones)."""
         self.swarm = swarm
         self.config = config
+        self.clock = clock
 
     async def form_group(self, key: str, expected_peers: int) -> Group:
         """Registers for round ``key`` and returns this peer's group; ``expected_peers`` lets the leader
         close early once that many peers (this one included) have registered."""
         me = self.swarm.peer_id
         window = self.config.matchmaking_window
-        registered_at = now()
-        lifetime = window + self.config.round_timeout + 10.0
+        registered_at, started = self.clock(), time.monotonic()
+        # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
+        lifetime = window + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET
         await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
         target = max(2, min(expected_peers, self.config.target_group_size * 64))
-        deadline = time.monotonic() + window + self.config.join_timeout + 2.0
-        published: _Groups | None = None
-        while published is None:
+        deadline = started + window + self.config.join_timeout + 2.0
+        while True:
             entries, decisions = await self._read(key)
             entries.setdefault(me, registered_at)  # our own store may not be readable yet
-            leader = min(entries, key=lambda peer: (entries[peer], peer))
-            published = decisions.get(leader)
+            published = _final(entries, decisions)
             if published is not None:
                 break
-            first = entries[leader]
-            window_over = now() >= first + window
+            leader = _leader(entries)
+            window_over = time.monotonic() >= started + window
             if leader == me and (window_over or len(entries) >= target):
-                published = self._split(me, entries, first + window)
+                published = self._split(me, entries)
                 await self.swarm.store(key, GROUPS_PREFIX + me, published.model_dump(), registered_at + lifetime)
                 break
             if time.monotonic() > deadline:
-                raise GroupFailed(f"no group decision for {key} within {deadline - registered_at:.1f}s "
+                raise GroupFailed(f"no group decision for {key} within {deadline - started:.1f}s "
                                   f"(leader {leader} did not publish one)")
             await asyncio.sleep(POLL_INTERVAL)  # polling the DHT, which has no change notifications
         for members in published.groups:
@@ -94,9 +109,8 @@ class Matchmaker:
                 return Group(group_id(key, ordered), ordered)
         raise GroupFailed(f"{key}: registered too late, the leader's groups do not include this peer")
 
-    def _split(self, me: str, entries: dict[str, float], close: float) -> _Groups:
-        on_time = sorted((t, peer) for peer, t in entries.items() if t <= close or peer == me)
-        peers = [peer for _, peer in on_time]
+    def _split(self, me: str, entries: dict[str, float]) -> _Groups:
+        peers = sorted(entries, key=lambda peer: (entries[peer], peer))
         size = self.config.target_group_size
         chunks = [peers[i : i + size] for i in range(0, len(peers), size)]
         # A last group too small to average is merged into the previous one rather than left alone.
@@ -129,3 +143,15 @@ class Matchmaker:
                     f"malformed matchmaking entry {subkey[:140]!r} under {key}: {e.errors()[0]['msg']}",
                     peer_id=subkey[-128:]))
         return entries, decisions
+
+
+def _leader(entries: dict[str, float]) -> str:
+    return min(entries, key=lambda peer: (entries[peer], peer))
+
+
+def _final(entries: dict[str, float], decisions: dict[str, _Groups]) -> _Groups | None:
+    """The decision of the earliest registered peer that published one, if any: the same for every reader of
+    the same entries. Two leaders publish only in a race (the later one had not yet received the earlier
+    one's registration); a decision by a peer that did not register for the round is ignored."""
+    deciders = [peer for peer in decisions if peer in entries]
+    return decisions[_leader({peer: entries[peer] for peer in deciders})] if deciders else None

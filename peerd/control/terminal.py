@@ -46,7 +46,8 @@ def format_progress(training: Mapping[str, Any]) -> str:
         (f"{_fmt(training.get('samples_per_second'), '.1f')} samples/s "
          f"(swarm {_fmt(training.get('swarm_samples_per_second'), '.1f')})"),
         f"{peers} peer{'' if peers == 1 else 's'}",
-        f"rounds {training.get('rounds_ok', 0)} ok/{training.get('rounds_solo', 0)} solo",
+        f"rounds {training.get('rounds_ok', 0)} ok/{training.get('rounds_solo', 0)} solo"
+        + (" (AVERAGING STOPPED)" if (training.get("averaging") or {}).get("stalled") else ""),
         str(training.get("state", "")),
         str(training.get("device", "")),
     ]

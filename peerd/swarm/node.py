@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from hivemind.dht import DHT
+from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
+from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
@@ -106,6 +108,9 @@ class SwarmNode:
             try:
                 # Blocking the loop here is fine: nothing else runs on it before the swarm is up.
                 return cls._start_dht(config, identity_path, fresh_identity, membership, metrics_port)
+            except DHTValidationError as e:  # an initial peer answered but refused us: retrying cannot help
+                raise clock_skew_error(e, config.initial_peers) or BootstrapError(
+                    f"an initial peer refused this one: {_short(e)}", addresses=list(config.initial_peers)) from e
             except (P2PDaemonError, TimeoutError, OSError) as e:
                 last_error = e
                 if not config.initial_peers:

@@ -74,7 +74,7 @@ class OuterRounds:
         except PeerdError as e:  # no group, or the DHT did not answer in time: this phase's update goes alone
             logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Phase %d without averaging: %s", phase, e)
             averaged = pseudo
-            t.report.rounds_solo += 1
+            t.report.record_solo(str(e), expected - 1)
         async with t.step_lock:
             refused = await asyncio.to_thread(self.outer.step, averaged)
         if refused is not None:

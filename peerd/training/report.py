@@ -14,6 +14,7 @@ from typing import Any
 
 from peerd.averaging.group import RoundReport
 from peerd.metrics import ROUND_DURATION_BUCKETS, Distribution
+from peerd.training.health import AveragingHealth
 
 LOSS_HISTORY = 2000
 CURVE_POINTS = 1000  # per-step points kept for the loss curves
@@ -37,6 +38,7 @@ class TrainingReport:
     peers_training: int = 0
     rounds_ok: int = 0
     rounds_solo: int = 0
+    health: AveragingHealth = field(default_factory=AveragingHealth)  # are the rounds still averaging?
     group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
     steps_refused: int = 0  # updates not applied: they would have made the model non-finite
@@ -98,6 +100,7 @@ class TrainingReport:
     def record_round(self, report: RoundReport, samples: int | None = None) -> None:
         """``samples``: what this peer contributed to the round (its weight in the average)."""
         self.rounds_ok += 1
+        self.health.averaged()
         self.group_sizes[report.group_size] = self.group_sizes.get(report.group_size, 0) + 1
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
@@ -120,6 +123,14 @@ class TrainingReport:
         }
         self.rounds.append({"time": round(time.time(), 3), **self.last_round})
         self._note_validation()
+
+    def record_solo(self, error: str, others: int) -> None:
+        """A round that ended without averaging; ``others``: other trainers in view (0: nobody to average with)."""
+        self.rounds_solo += 1
+        if others > 0:
+            self.health.failed(error, others)
+        else:
+            self.health.alone()
 
     def record_traffic(self, kind: str, sent: int, received: int) -> None:
         """Adds payload bytes exchanged with peers under ``kind`` (gradients, state, ...) for metrics."""
@@ -178,6 +189,7 @@ class TrainingReport:
             "peers_training": self.peers_training,
             "rounds_ok": self.rounds_ok,
             "rounds_solo": self.rounds_solo,
+            "averaging": self.health.as_dict(),
             "group_sizes": {str(size): count for size, count in sorted(self.group_sizes.items())},
             "state_syncs": self.state_syncs,
             "steps_refused": self.steps_refused,

@@ -26,6 +26,7 @@ from peerd.swarm.node import SwarmNode
 from peerd.training import lockstep, snapshot
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.download import StateDownloader
+from peerd.training.health import AveragingHealth
 from peerd.training.local import LocalModel
 from peerd.training.outer import OuterState
 from peerd.training.phases import OuterRounds
@@ -84,7 +85,9 @@ class CollaborativeTrainer:
         directory = config.checkpoint.directory
         self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel, mode=config.mode,
-                                     device=str(self.local.device), precision=config.precision)
+                                     device=str(self.local.device), precision=config.precision,
+                                     # a departed peer's rounds fail until its progress record expires: no stall
+                                     health=AveragingHealth(grace=2 * config.progress_ttl))
         self._template = snapshot.template(self.local, self.outer)
         self.downloader = StateDownloader(guard, task.fingerprint, self._template, config.max_state_bytes,
                                           stall_timeout=config.state_transfer.stall_timeout)
@@ -270,7 +273,7 @@ class CollaborativeTrainer:
         except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
             logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
             averaged = local
-            self.report.rounds_solo += 1
+            self.report.record_solo(str(e), expected - 1)
         async with self.step_lock:
             refused = await asyncio.to_thread(self.local.apply, averaged)
             if refused is not None:

@@ -161,6 +161,7 @@ new Promise((resolve) => {
       drawn: line ? line.points.numberOfItems : 0, dots: chart.querySelectorAll("circle.validation").length,
       peers, rounds: document.querySelectorAll("#rounds-table tbody tr").length,
       experts: document.getElementById("no-experts").textContent,
+      stallShown: !document.getElementById("averaging-stalled").hidden,
     };
     const ready = state.points >= 5 && state.validation >= 2 && peers >= 1 && state.rounds >= 1;
     if (ready) resolve(state);
@@ -213,9 +214,9 @@ def test_status_page_renders_peers_and_the_loss_curve_in_chromium(
     swarm: LocalSwarm, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"no chromium at {CHROMIUM}: scripts/setup.sh installs Debian's `chromium` package "
-                    "when apt-get is available (as root or with passwordless sudo); without it this test "
-                    "cannot run")
+        pytest.skip(f"no chromium at {CHROMIUM}: scripts/install-system-packages.sh (run by scripts/test) "
+                    "installs Debian's `chromium` package when apt-get is available (as root or with "
+                    "passwordless sudo); without it this test cannot run")
     peer = swarm.peers[0]
     wait_for(lambda: (peer.status()["training"] or {}).get("step", 0) >= 12, 60, "peer0 to reach step 12",
              0.5)
@@ -237,6 +238,7 @@ def test_status_page_renders_peers_and_the_loss_curve_in_chromium(
     assert state["errors"] == [], state["errors"]  # no script error, no blocked or failed request
     assert state["drawn"] == state["points"] >= 5 and state["dots"] == state["validation"] >= 2
     assert state["peers"] == 1 and "No peer in the swarm serves experts" in state["experts"]
+    assert state["stallShown"] is False  # the peers average: no "averaging has stopped" banner
     assert state["png"].startswith(b"\x89PNG") and len(state["png"]) > 10_000
     SCREENSHOT.parent.mkdir(exist_ok=True)
     SCREENSHOT.write_bytes(state["png"])

@@ -108,6 +108,18 @@ function via(connection) {
   return text.startsWith("relay ") ? `relay ${shortId(text.slice(6))}` : text;
 }
 
+function renderStall(status) {
+  // A swarm whose rounds all fail still trains, each peer alone: nothing else on the page would show it.
+  const a = (status.training && status.training.averaging) || {};
+  const alert = byId("averaging-stalled");
+  alert.hidden = !a.stalled;
+  alert.textContent = a.stalled
+    ? `Averaging has stopped: ${a.failed_streak} rounds in ${fmtSeconds(a.failing_for)} ended without averaging ` +
+      `although ${a.others_in_view} other trainer(s) are in view, so this peer trains alone. ` +
+      `Last failure: ${a.last_error}`
+    : "";
+}
+
 function renderPeers(status) {
   const t = status.training;
   const self = row([
@@ -230,6 +242,7 @@ async function refresh() {
     byId("run-name").textContent = status.run_name || "";
     document.title = `peerd ${status.run_name || ""} - ${shortId(status.peer_id)}`;
     renderFacts(status);
+    renderStall(status);
     renderPeers(status);
     renderChart(history.training);
     renderRounds(history.training);

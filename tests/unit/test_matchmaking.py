@@ -1,0 +1,109 @@
+"""Matchmaking when the peers' clocks disagree (by up to the 3 s hivemind's DHT admits): every member reaches
+the same group as with agreeing clocks, over an in-memory DHT whose stores become readable after a delay."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from peerd.averaging.group import Group
+from peerd.averaging.matchmaking import GROUPS_PREFIX, Matchmaker
+from peerd.config import AveragingConfig
+from peerd.errors import GroupFailed, ProtocolViolation
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "run.abc123.grad.7"
+PEERS = [f"Qm{letter * 44}" for letter in "ABCDEFGH"]
+CONFIG = AveragingConfig(matchmaking_window=0.6, join_timeout=1.5, round_timeout=5.0, target_group_size=4)
+
+
+class _DHT:
+    """One key's subkeys, each readable ``latency`` seconds after it was stored (as a DHT store propagates)."""
+
+    def __init__(self, latency: float = 0.05) -> None:
+        self.latency = latency
+        self.values: dict[str, tuple[float, dict[str, Any]]] = {}
+
+
+class _Swarm:
+    """The SwarmNode methods matchmaking uses, on a shared in-memory DHT."""
+
+    def __init__(self, peer_id: str, dht: _DHT) -> None:
+        self.peer_id = peer_id
+        self.dht = dht
+
+    async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
+        self.dht.values[subkey] = (time.monotonic() + self.dht.latency, value)
+        return True
+
+    async def read_subkeys(self, key: str) -> dict[str, object]:
+        now = time.monotonic()
+        return {subkey: value for subkey, (visible, value) in self.dht.values.items() if visible <= now}
+
+    def drop(self, reason: str, error: ProtocolViolation) -> None:
+        raise AssertionError(f"unexpected drop: {error}")
+
+
+async def _join(dht: _DHT, peer: str, offset: float, delay: float, expected: int,
+                config: AveragingConfig = CONFIG) -> Group:
+    await asyncio.sleep(delay)  # when this peer's batch is complete, in true time
+    matchmaker = Matchmaker(_Swarm(peer, dht), config, clock=lambda: time.time() + offset)  # type: ignore[arg-type]
+    return await matchmaker.form_group(KEY, expected)
+
+
+async def _round(plan: list[tuple[float, float]], expected: int | None = None) -> list[Group | BaseException]:
+    """``plan``: per peer, its clock offset and when (true time) it registers."""
+    dht = _DHT()
+    joins = [_join(dht, PEERS[i], offset, delay, expected or len(plan)) for i, (offset, delay) in enumerate(plan)]
+    return await asyncio.gather(*joins, return_exceptions=True)
+
+
+@pytest.mark.parametrize("plan", [
+    [(0.0, 0.0), (2.5, 0.1)],  # the later one's clock is ahead: its registration looks 2.6 s late
+    [(0.0, 0.1), (2.5, 0.0)],
+    [(0.0, 0.0), (-2.5, 0.1)],  # the later one's clock is behind: it registers "before" the first
+    [(0.0, 0.1), (-2.5, 0.0)],
+    [(-2.5, 0.0), (0.0, 0.05), (2.5, 0.1)],
+    [(2.5, 0.0), (0.0, 0.05), (-2.5, 0.1)],
+    [(2.9, 0.0), (-2.9, 0.3)],  # further apart than the DHT admits between two peers directly
+], ids=lambda plan: " ".join(f"{offset:+g}s@{delay:g}" for offset, delay in plan))
+def test_members_with_skewed_clocks_reach_the_same_group(plan: list[tuple[float, float]]) -> None:
+    groups = asyncio.run(_round(plan))
+    assert all(isinstance(group, Group) for group in groups), groups
+    assert len({group.members for group in groups if isinstance(group, Group)}) == 1, groups
+    assert set(groups[0].members) == set(PEERS[: len(plan)])  # type: ignore[union-attr]
+
+
+def test_a_window_that_closes_without_everyone_is_the_same_decision_for_all() -> None:
+    # 3 expected, 2 come: the leader closes after its window on its own clock and takes both
+    groups = asyncio.run(_round([(2.5, 0.0), (-2.5, 0.2)], expected=3))
+    assert all(isinstance(g, Group) and set(g.members) == set(PEERS[:2]) for g in groups), groups
+
+
+def test_a_peer_behind_that_registers_after_the_decision_does_not_become_a_second_leader() -> None:
+    async def scenario() -> list[Group | BaseException]:
+        dht = _DHT()
+        on_time = [_join(dht, PEERS[i], 0.0, 0.0, 2) for i in range(2)]
+        # 1 s later, but its clock is 2.5 s behind: its registration time is the earliest of all
+        late = _join(dht, PEERS[2], -2.5, 1.0, 3)
+        return await asyncio.gather(*on_time, late, return_exceptions=True)
+
+    first, second, late = asyncio.run(scenario())
+    assert isinstance(first, Group) and isinstance(second, Group) and first == second
+    assert set(first.members) == set(PEERS[:2])
+    assert isinstance(late, GroupFailed) and "registered too late" in str(late)
+
+
+def test_of_two_racing_decisions_every_reader_takes_the_earliest_registered_leaders() -> None:
+    dht = _DHT(latency=0.0)
+    t = time.time()
+    for peer, offset in ((PEERS[0], 0.0), (PEERS[1], -1.0)):
+        dht.values[peer] = (0.0, {"peer_id": peer, "t": t + offset})
+    dht.values[GROUPS_PREFIX + PEERS[0]] = (0.0, {"peer_id": PEERS[0], "groups": [[PEERS[0], PEERS[2]]]})
+    dht.values[GROUPS_PREFIX + PEERS[1]] = (0.0, {"peer_id": PEERS[1], "groups": [sorted(PEERS[:3])]})
+    group = asyncio.run(Matchmaker(_Swarm(PEERS[2], dht), CONFIG).form_group(KEY, 3))  # type: ignore[arg-type]
+    assert set(group.members) == set(PEERS[:3])  # PEERS[1] registered earliest (on its clock), so its decision
