@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.warnings import InformationOnly
+
+# setuptools notes on every editable install of a flat layout (peerd/ beside this file) that a folder named
+# peerd in the working directory could shadow the package, and pip prints it as a 10-line warning of the
+# build; it holds for any flat layout and asks nothing of the user. Only this note is silenced.
+warnings.filterwarnings("ignore", message=r"Editable installation\.", category=InformationOnly)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

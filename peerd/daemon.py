@@ -1,9 +1,10 @@
 """The daemon: builds components from the config, supervises them on one uvloop loop, shuts down in reverse.
 
-Start order: swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if enabled) -> control
-endpoint -> training loop -> first record -> ready line. Each start step registers its undo; stopping runs
-them in reverse: announce ``leaving`` -> training loop -> control endpoint -> trainer -> expert server ->
-swarm. Each stop step is logged and bounded, and one that fails does not keep the others from running.
+Start order: path checks -> swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if
+enabled) -> control endpoint -> training loop -> first record -> ready line. Each start step registers its
+undo; stopping runs them in reverse: announce ``leaving`` -> training loop -> control endpoint -> trainer ->
+expert server -> swarm. Each stop step is logged and bounded, and one that fails does not keep the others from
+running.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Daemon:
         """Starts the components in order; each registers how to stop it, so :meth:`shutdown` undoes exactly
         what was started, in reverse order, also after a failure half-way through start-up."""
         self.membership = membership_from_config(self.config.swarm)
+        await self._check_paths()
         if self.membership.open:
             logger.warning("Open swarm: any peer that learns an address of this swarm can join its averaging, "
                            "call its experts and download its training state (set swarm.secret_path: README, "
@@ -94,6 +96,15 @@ class Daemon:
         await self.swarm.publish(self.record())
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
         self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
+
+    async def _check_paths(self) -> None:
+        """Refuses paths this peer will write to later before anything starts: a checkpoint directory found
+        unwritable at the first checkpoint would cost the training done until then."""
+        checkpoints = self.config.training.checkpoint.directory
+        if self.config.training.enabled and checkpoints is not None:
+            from peerd.training.checkpoint import check_directory
+
+            await asyncio.to_thread(check_directory, checkpoints)
 
     async def _p2p_handle(self) -> P2P:
         """hivemind's P2P handle to the DHT process's p2pd, opened once."""

@@ -4,22 +4,28 @@ A file is ``torch.save`` of a plain dict ``{format, version: 2, fingerprint, ste
 atomically (a temporary file, fsync, rename) and read back with ``weights_only=True`` (no pickle code runs),
 then checked against the reader's template. :class:`Checkpointer` keeps the newest ``keep`` files and resumes
 from the newest usable one: a truncated or foreign newest file is reported and the previous one is used.
+
+The directory is probed once at daemon start (:func:`check_directory`), so a path the peer cannot write is
+refused before it trains; a write that fails later (disk full, permission taken away) costs only that checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from peerd.config import CheckpointConfig
-from peerd.errors import StateError
+from peerd.errors import ConfigError, StateError
 from peerd.training.state import Template, TrainingState, check_state
 
-__all__ = ["Checkpointer", "load_state", "save_state"]
+__all__ = ["Checkpointer", "check_directory", "load_state", "save_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +37,17 @@ VERSION = 2
 def save_state(path: Path, state: TrainingState, fingerprint: str) -> None:
     """Writes ``state`` to ``path`` atomically: readers see the old file or the new one, never half of one."""
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
-        torch.save({"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "step": state.step,
-                    "tensors": state.tensors}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "step": state.step,
+                        "tensors": state.tensors}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a half-written file on a full disk holds the space the next one needs
+            partial.unlink(missing_ok=True)
+        raise
     _fsync_directory(path.parent)  # the rename itself survives a power cut
 
 
@@ -70,6 +81,28 @@ def load_state(file: Path | IO[bytes], template: Template, fingerprint: str, sou
     return state
 
 
+def check_directory(directory: Path) -> None:
+    """Creates ``directory`` if needed and writes a probe file in it; ConfigError naming the path if that fails,
+    so an unusable ``training.checkpoint.directory`` stops the peer at start, not at its first checkpoint."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            probe.write(b"peerd")
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as e:
+        reason = describe_os_error(e, directory)
+        raise ConfigError(f"training.checkpoint.directory {directory} is not writable: {reason}",
+                          field="training.checkpoint.directory", path=str(directory)) from e
+
+
+def describe_os_error(error: OSError, named: Path) -> str:
+    """``strerror (ENAME)``, plus the file the OS names when it is not ``named``, the one the message names."""
+    code = errno.errorcode.get(error.errno, str(error.errno)) if error.errno is not None else "no errno"
+    text = f"{error.strerror or error} ({code})"
+    return f"{text} at {error.filename}" if error.filename and str(error.filename) != str(named) else text
+
+
 def _is(value: Any, expected: str | int) -> bool:
     return type(value) is type(expected) and value == expected
 
@@ -95,13 +128,27 @@ class Checkpointer:
         """Checkpoints, newest step first."""
         return sorted(self.directory.glob(PATTERN), reverse=True)
 
-    def save(self, state: TrainingState, fingerprint: str) -> Path:
-        """Writes ``state`` as the checkpoint of its step and drops all but the newest ``keep``."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def save(self, state: TrainingState, fingerprint: str) -> Path | None:
+        """Writes ``state`` as the checkpoint of its step and drops all but the newest ``keep``.
+
+        A write that fails (disk full, permission taken away) is logged as an error naming the path and errno
+        and returns None: training goes on, and the older checkpoints are left as they were, so the newest
+        good one is still there to resume from.
+        """
         final = self.directory / f"ckpt-{state.step:09d}.pt"
-        save_state(final, state, fingerprint)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            save_state(final, state, fingerprint)
+        except OSError as e:
+            good = self.files()
+            logger.error("Checkpoint of step %d to %s failed: %s; training goes on (newest good checkpoint: %s)",
+                         state.step, final, describe_os_error(e, final), good[0] if good else "none")
+            return None
         for old in self.files()[self.config.keep :]:
-            old.unlink(missing_ok=True)
+            try:
+                old.unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning("Could not remove the old checkpoint %s: %s", old, describe_os_error(e, old))
         return final
 
     def resume(self, template: Template, fingerprint: str) -> TrainingState | None:

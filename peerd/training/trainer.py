@@ -296,7 +296,8 @@ class CollaborativeTrainer:
         async with self.step_lock:
             state = await asyncio.to_thread(snapshot.capture, self.local, self.outer, self.step)
         path = await asyncio.to_thread(self.checkpointer.save, state, self.task.fingerprint)
-        logger.info("Checkpoint %s", path)
+        if path is not None:  # a failed write was logged by the checkpointer
+            logger.info("Checkpoint %s", path)
 
     async def validate(self) -> None:
         async with self.step_lock:  # a diloco round landing meanwhile would change the weights mid-pass

@@ -1,9 +1,12 @@
 """The docker-compose swarm of docker-compose.yml, for real: image, bootstrap, expert host and 3 trainers.
 
-It does what a user does (`scripts/compose-up`: Docker engine, base image, host wheelhouse, image build,
-`peerd keygen` for the bootstrap identity, the env file; then `up`), and judges the swarm from outside through
-each peer's control endpoint (`docker exec <container>` + GET /status and /history on the container's loopback:
-the JSON of `peerd status --json`), never from which container exits first:
+It does what a user does: the image is built as `scripts/compose-up --no-up` builds it (Docker engine, base
+image, host wheelhouse: no registry here), then `docker-compose config` and `docker-compose up` run on the
+compose file alone in a fresh directory, with no .env and no bootstrap key (the bootstrap peer makes its own
+identity and shares its address through a volume; only SWARM_IMAGE and SWARM_BOOTSTRAP_PUBLISH are set, so the
+test's image and port do not collide with a user's). The swarm is judged from outside through each peer's
+control endpoint (`docker exec <container>` + GET /status and /history on the container's loopback: the JSON
+of `peerd status --json`), never from which container exits first:
 
 - every trainer completes >= 3 averaging rounds in groups of >= 3 peers, and its loss falls;
 - the expert host serves the trainers' MoE calls (forward and backward, its experts update);
@@ -20,6 +23,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,15 +73,14 @@ class NotAnswering(Exception):
 
 
 class ComposeSwarm:
-    def __init__(self, compose: list[str], env_file: Path, env: dict[str, str]) -> None:
+    def __init__(self, compose: list[str], compose_file: Path, env: dict[str, str]) -> None:
         self.compose = compose
-        self.env_file = env_file
+        self.compose_file = compose_file
         self.env = env
         self.last: dict[str, dict[str, Any]] = {}  # container -> its last answer, for failure messages
 
     def run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run([*self.compose, "-p", PROJECT, "--env-file", str(self.env_file), *args], self.env, timeout,
-                    check)
+        return _run([*self.compose, "-p", PROJECT, "-f", str(self.compose_file), *args], self.env, timeout, check)
 
     def containers(self, service: str) -> list[str]:
         """Names of the service's running containers, sorted."""
@@ -198,30 +201,37 @@ def test_compose_swarm_trains_serves_experts_and_survives_a_killed_trainer(
     compose = engine.stdout.split()
     times["engine"] = time.monotonic() - started
 
-    # leftovers of an interrupted earlier run go first (the variables only need to be defined for `down`)
-    placeholders = tmp_path / "placeholders.env"
-    placeholders.write_text("SWARM_BOOTSTRAP_ID=none\nSWARM_BOOTSTRAP_KEY=/dev/null\n")
-    ComposeSwarm(compose, placeholders, env).run("down", "-v", "--remove-orphans", "-t", "5", timeout=120)
-    env_file = tmp_path / "swarm.env"
-    swarm = ComposeSwarm(compose, env_file, env)
+    # A fresh directory with the compose file alone: no .env, no key, nothing a script wrote.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(REPO / "docker-compose.yml", fresh / "docker-compose.yml")
+    assert not (fresh / ".env").exists()
+    # only the test's own image tag and a free host port: a user's peerd:latest and 31337 are left alone
+    swarm = ComposeSwarm(compose, fresh / "docker-compose.yml",
+                         {**env, "SWARM_IMAGE": IMAGE, "SWARM_BOOTSTRAP_PUBLISH": "127.0.0.1:"})
+    # leftovers of an interrupted earlier run go first, volumes too: the bootstrap identity is made anew
+    swarm.run("down", "-v", "--remove-orphans", "-t", "5", timeout=120)
+
+    # `config` as a user meets it: not one variable set
+    config = ComposeSwarm(compose, fresh / "docker-compose.yml", env).run("config", timeout=60)
+    assert "bootstrap:" in config.stdout and "image: peerd:latest" in config.stdout, config.stdout
+    assert "WARNING" not in config.stderr and "is not set" not in config.stderr, config.stderr
 
     phase = time.monotonic()
-    prepare = {**env, "SWARM_IMAGE": IMAGE, "SWARM_KEY_DIR": str(tmp_path / "identity"),
-               "SWARM_ENV_FILE": str(env_file), "SWARM_BOOTSTRAP_PUBLISH": "127.0.0.1:"}  # any free host port
-    result = _run(["bash", "scripts/compose-up", "--no-up"], prepare, timeout=1200)
-    times["prepare (base image, wheelhouse, build, keygen)"] = time.monotonic() - phase
-    values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
-    bootstrap_id = values["SWARM_BOOTSTRAP_ID"]
-    assert values["SWARM_IMAGE"] == IMAGE, result.stderr
+    _run(["bash", "scripts/compose-up", "--no-up"], {**env, "SWARM_IMAGE": IMAGE}, timeout=1200)
+    times["image (base image, wheelhouse, build)"] = time.monotonic() - phase
 
     try:
         phase = time.monotonic()
-        swarm.run("up", "-d", "--no-build", timeout=400)
+        swarm.run("up", "-d", "--scale", f"trainer={TRAINERS}", timeout=400)
         times["up (bootstrap and expert host healthy, trainers started)"] = time.monotonic() - phase
         trainers = swarm.containers("trainer")
         (bootstrap,) = swarm.containers("bootstrap")
         (experts,) = swarm.containers("experts")
         assert len(trainers) == TRAINERS, trainers
+        shared = _run(["docker", "exec", bootstrap, "cat", "/swarm/bootstrap.maddr"], env, 30).stdout.strip()
+        assert shared.startswith("/dns/bootstrap/tcp/31337/p2p/"), shared
+        bootstrap_id = shared.rsplit("/", 1)[1]
 
         # 1. every trainer: >= 3 rounds in groups of >= 3, loss fallen; the expert host serves their MoE calls
         def trained(container: str) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, alive_pids, wait_for
-from tests.conftest import LOCAL_CONFIG
+from tests.conftest import LOCAL_CONFIG, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -126,6 +126,18 @@ def test_bad_initial_peers_value_exits_with_a_readable_message() -> None:
     assert result.returncode == 1
     assert "swarm.initial_peers[0]" in result.stderr and "/p2p/" in result.stderr
     assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_checkpoint_directory_is_refused_at_start_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    blocked = tmp_path / "a-file" / "checkpoints"  # root writes through any mode; nothing creates this path
+    result = peerd("start", "--config", str(REPO / "configs" / "synthetic.yaml"),
+                   "-o", f"training.checkpoint.directory={blocked}")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()  # before p2pd, the DHT or a step: nothing else to report
+    assert f"training.checkpoint.directory {blocked} is not writable: Not a directory (ENOTDIR)" in line
     assert result.stdout == ""
 
 

@@ -10,12 +10,13 @@ import asyncio
 import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import urllib.request
 from collections.abc import Iterator
-from itertools import count
+from itertools import count, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,20 @@ new Promise((resolve) => {
 """
 
 
+# The y axis as drawn, and the page's own tick function on ranges the live run may not reach: the range from
+# the issue that asked for it (labels were 4.46, 0.252, .0000452) and one under a decade and a half.
+AXIS = """
+({
+  labels: Array.from(document.querySelectorAll("#loss-chart text.y-tick"), (t) => t.textContent),
+  scale: document.getElementById("chart-scale").textContent,
+  decades: yTicks(Math.log10(0.0000452), Math.log10(4.46), true).map((t) => t.label),
+  narrow: yTicks(Math.log10(0.3), Math.log10(7), true).map((t) => t.label),
+  linear: yTicks(2.4, 4.56, false).map((t) => t.label),
+})
+"""
+ROUND_LOG_LABEL = re.compile(r"[125](e-?\d+)?|0\.0*[125]|[125]0*")
+
+
 def devtools_port(profile: Path) -> int | None:
     """Chromium writes the port it chose for --remote-debugging-port=0 into this file once it listens."""
     try:
@@ -199,6 +214,8 @@ async def drive_page(port: int, page_url: str) -> dict[str, Any]:
             result = await tools.send("Runtime.evaluate", expression=WAIT_FOR_CURVE, awaitPromise=True,
                                       returnByValue=True, timeout=60000)
             state = dict(result["result"]["value"])
+            axis = await tools.send("Runtime.evaluate", expression=AXIS, returnByValue=True)
+            state["axis"] = axis["result"]["value"]
             metrics = await tools.send("Page.getLayoutMetrics")
             height = int(metrics["cssContentSize"]["height"]) + 1
             await tools.send("Emulation.setDeviceMetricsOverride", width=1280, height=height,
@@ -239,6 +256,15 @@ def test_status_page_renders_peers_and_the_loss_curve_in_chromium(
     assert state["drawn"] == state["points"] >= 5 and state["dots"] == state["validation"] >= 2
     assert state["peers"] == 1 and "No peer in the swarm serves experts" in state["experts"]
     assert state["stallShown"] is False  # the peers average: no "averaging has stopped" banner
+    axis = state["axis"]
+    assert axis["decades"] == ["1e-4", "0.001", "0.01", "0.1", "1"]
+    assert axis["narrow"] == ["0.5", "1", "2", "5"] and axis["linear"] == ["2.5", "3.0", "3.5", "4.0", "4.5"]
+    assert len(axis["labels"]) >= 2, axis
+    if axis["scale"] == "(log scale)":
+        assert all(ROUND_LOG_LABEL.fullmatch(label) for label in axis["labels"]), axis
+    else:  # evenly spaced round numbers
+        values = [float(label) for label in axis["labels"]]
+        assert len({round(b - a, 9) for a, b in pairwise(values)}) <= 1, axis
     assert state["png"].startswith(b"\x89PNG") and len(state["png"]) > 10_000
     SCREENSHOT.parent.mkdir(exist_ok=True)
     SCREENSHOT.write_bytes(state["png"])

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from peerd.config import CheckpointConfig
-from peerd.errors import ProtocolViolation, StateError
+from peerd.errors import ConfigError, ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.training.checkpoint import Checkpointer, load_state, save_state
+from peerd.training.checkpoint import Checkpointer, check_directory, load_state, save_state
 from peerd.training.manifest import (
     MAX_TENSORS,
     check_against_template,
@@ -159,6 +159,43 @@ def test_resume_without_checkpoints_and_with_only_bad_ones(tmp_path: Path) -> No
         checkpointer.resume(template_of(sample_state()), FP)
     assert "ckpt-000000002.pt: a version-1 checkpoint" in str(refused.value)
     assert "ckpt-000000001.pt: not a readable" in str(refused.value)
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_naming_it(tmp_path: Path) -> None:
+    fresh = tmp_path / "new" / "ckpt"
+    check_directory(fresh)
+    assert fresh.is_dir() and not list(fresh.iterdir())  # created, and the probe left nothing behind
+
+    (tmp_path / "a-file").write_text("")
+    # tests run as root, where a read-only mode stops nothing; a directory under a regular file cannot exist
+    blocked = tmp_path / "a-file" / "ckpt"
+    with pytest.raises(ConfigError) as refused:
+        check_directory(blocked)
+    assert str(refused.value) == f"training.checkpoint.directory {blocked} is not writable: Not a directory (ENOTDIR)"
+    assert refused.value.context["field"] == "training.checkpoint.directory"
+
+
+def test_a_checkpoint_that_fails_on_a_full_disk_is_logged_and_the_last_good_one_stays(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpointer = Checkpointer(CheckpointConfig(directory=tmp_path, keep=1), tmp_path)
+    good = checkpointer.save(sample_state(10, seed=10), FP)
+    assert good is not None
+    # the next write goes to the kernel's always-full device: a real ENOSPC from torch.save's own writes
+    failing = tmp_path / "ckpt-000000020.pt"
+    failing.with_name(failing.name + ".partial").symlink_to("/dev/full")
+    with caplog.at_level(logging.ERROR):
+        assert checkpointer.save(sample_state(20, seed=20), FP) is None
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert f"to {failing} failed: No space left on device (ENOSPC)" in record.getMessage()
+    assert f"newest good checkpoint: {good}" in record.getMessage()
+    assert checkpointer.files() == [good]  # keep=1 pruned nothing: the failed one never counted
+    assert not list(tmp_path.glob("*.partial"))
+    resumed = checkpointer.resume(template_of(sample_state()), FP)
+    assert resumed is not None and same(resumed, sample_state(10, seed=10))
+
+    assert checkpointer.save(sample_state(30, seed=30), FP) == tmp_path / "ckpt-000000030.pt"  # space is back
+    assert [p.name for p in checkpointer.files()] == ["ckpt-000000030.pt"]
 
 
 # --- the transfer manifest ------------------------------------------------------------------------------------

@@ -147,6 +147,54 @@ function finitePoints(series) {
   return (series || []).filter((p) => Array.isArray(p) && isNumber(p[1]) && isNumber(p[2]));
 }
 
+// Axis ticks a reader can read values off: 1, 2 or 5 times a power of ten, labelled exactly (no 4.46 or
+// .0000452). Each tick is { at, label } with `at` in axis units (log10 of the value on a log axis).
+function tickLabel(mantissa, exponent) {
+  if (exponent < -3 || exponent > 4) return `${mantissa}e${exponent}`;
+  return (mantissa * 10 ** exponent).toFixed(Math.max(0, -exponent));
+}
+
+// A log axis from 10^y0 to 10^y1: its powers of ten (every other one, or sparser, over many decades), and 2x
+// and 5x between them when fewer than three powers of ten fall inside.
+function logTicks(y0, y1) {
+  const inside = (at) => at >= y0 - 1e-9 && at <= y1 + 1e-9;
+  const every = Math.max(1, Math.ceil((Math.floor(y1) - Math.ceil(y0) + 1) / 6));
+  const ticks = [];
+  for (let k = Math.ceil(y0 / every) * every; k <= y1 + 1e-9; k += every) {
+    ticks.push({ at: k, label: tickLabel(1, k) });
+  }
+  if (ticks.length < 3) {
+    for (let k = Math.floor(y0); k <= Math.ceil(y1); k += 1) {
+      for (const m of [2, 5]) {
+        const at = k + Math.log10(m);
+        if (inside(at)) ticks.push({ at, label: tickLabel(m, k) });
+      }
+    }
+    ticks.sort((a, b) => a.at - b.at);
+  }
+  return ticks;
+}
+
+// A linear axis from y0 to y1: steps of 1, 2 or 5 times a power of ten, the one nearest (geometrically) to
+// a fifth of the range.
+function linearTicks(y0, y1) {
+  const raw = (y1 - y0) / 5;
+  let exponent = Math.floor(Math.log10(raw));
+  const ratio = raw / 10 ** exponent;
+  let mantissa = ratio >= Math.sqrt(50) ? 10 : ratio >= Math.sqrt(10) ? 5 : ratio >= Math.sqrt(2) ? 2 : 1;
+  if (mantissa === 10) { mantissa = 1; exponent += 1; }
+  const step = mantissa * 10 ** exponent;
+  const ticks = [];
+  for (let i = Math.ceil(y0 / step - 1e-9); i * step <= y1 + step * 1e-9; i += 1) {
+    ticks.push({ at: i * step, label: (i * step).toFixed(Math.max(0, -exponent)) });
+  }
+  return ticks;
+}
+
+function yTicks(y0, y1, log) {
+  return log ? logTicks(y0, y1) : linearTicks(y0, y1);
+}
+
 function renderChart(history) {
   const chart = byId("loss-chart");
   const loss = finitePoints(history && history.loss);
@@ -175,12 +223,10 @@ function renderChart(history) {
   const sx = (s) => left + ((s - x0) / (x1 - x0)) * (width - left - right);
   const sy = (v) => height - bottom - ((f(v) - y0) / (y1 - y0)) * (height - top - bottom);
 
-  for (let i = 0; i <= 4; i += 1) {
-    const yv = y0 + ((y1 - y0) * i) / 4;
-    const y = height - bottom - ((yv - y0) / (y1 - y0)) * (height - top - bottom);
-    const label = log ? 10 ** yv : yv;
+  for (const tick of yTicks(y0, y1, log)) {
+    const y = height - bottom - ((tick.at - y0) / (y1 - y0)) * (height - top - bottom);
     chart.append(svg("line", { x1: left, x2: width - right, y1: y, y2: y, class: "grid" }));
-    chart.append(svg("text", { x: left - 6, y: y + 4, "text-anchor": "end", class: "tick" }, label.toPrecision(3)));
+    chart.append(svg("text", { x: left - 6, y: y + 4, "text-anchor": "end", class: "tick y-tick" }, tick.label));
   }
   for (let i = 0; i <= 4; i += 1) {
     const step = Math.round(x0 + ((x1 - x0) * i) / 4);
