@@ -2,12 +2,16 @@
 # Debian packages that some tests need, installed through apt when missing (as root or with passwordless sudo):
 #   chromium  headless browser for the status-page test (tests/integration/test_status_page.py)
 #   faketime  libfaketime, which skews one peer's clock in the clock-skew test (tests/integration/test_clock_skew.py)
+#   iptables, iproute2  the NAT lab's masquerading routers and namespaces (tests/integration/test_nat.py,
+#             test_relay_limits.py)
 # In CI (CI=true) a failed install is an error, so no such test can be skipped there unnoticed; elsewhere the
 # tests whose package is missing skip with a reason.
 set -euo pipefail
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v faketime >/dev/null 2>&1 || missing+=(faketime)
+command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || missing+=(iptables)
+command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || missing+=(iproute2)
 [ ${#missing[@]} -eq 0 ] && exit 0
 fail() {
   echo "install-system-packages: $1" >&2
