@@ -1,7 +1,7 @@
 """A libp2p node that is no member of the swarm and uses a peerd peer as its relay (test_relay_limits.py).
 
     python relay_stranger.py sink RELAY_MADDR OUT_FILE          reserve a slot on the relay, count bytes received
-    python relay_stranger.py source RELAY_MADDR SINK_ID NBYTES  push NBYTES to the sink through the relay
+    python relay_stranger.py source RELAY_MADDR SINK_ID NBYTES SINK_FILE  push NBYTES to the sink via the relay
 
 Both are plain hivemind P2P nodes (p2pd with autorelay; no peerd, no swarm secret): what any stranger who knows
 the relay's address can run. The sink writes ``{"peer_id", "relayed", "received"}`` to OUT_FILE as it goes; the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
@@ -36,9 +37,7 @@ async def sink(relay: str, out: Path) -> None:
         nonlocal received
         while data := await reader.read(CHUNK):
             received += len(data)
-        report(True)
-        writer.write(b"done")  # the source waits for this, so that it stops only after the last byte arrived
-        await writer.drain()
+        report(True)  # the source stays up until this count reaches what it sent
         writer.close()
 
     await p2p.add_binary_stream_handler(PROTOCOL, handle)
@@ -48,11 +47,11 @@ async def sink(relay: str, out: Path) -> None:
         await asyncio.sleep(0.2)  # the test reads the file while this runs; it is stopped by a signal
 
 
-async def source(relay: str, sink_id: str, nbytes: int) -> None:
+async def source(relay: str, sink_id: str, nbytes: int, sink_report: Path) -> None:
     p2p = await P2P.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
     sent, error, path = 0, None, None
     try:
-        info, reader, writer = await asyncio.wait_for(
+        info, _, writer = await asyncio.wait_for(
             p2p.call_binary_stream_handler(PeerID.from_base58(sink_id), PROTOCOL), 20)
         path = str(info.addr)
         chunk = b"\0" * CHUNK
@@ -60,8 +59,10 @@ async def source(relay: str, sink_id: str, nbytes: int) -> None:
             writer.write(chunk)
             await asyncio.wait_for(writer.drain(), 20)
             sent += len(chunk)
-        writer.write_eof()
-        await asyncio.wait_for(reader.read(4), 20)  # "done", or end of stream: either way the bytes are over
+        # stay up (and so keep the circuit) until the sink has counted every byte, at most 20 s
+        deadline = time.monotonic() + 20
+        while json.loads(sink_report.read_text())["received"] < sent and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # polling the sink's report file, which has no change notification
         writer.close()
     except (OSError, TimeoutError, RuntimeError, Exception) as e:  # noqa: BLE001 (any reset is the result)
         error = repr(e)[:200]
@@ -73,4 +74,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "sink":
         asyncio.run(sink(sys.argv[2], Path(sys.argv[3])))
     else:
-        asyncio.run(source(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+        asyncio.run(source(sys.argv[2], sys.argv[3], int(sys.argv[4]), Path(sys.argv[5])))

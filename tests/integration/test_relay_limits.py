@@ -52,7 +52,8 @@ def strangers_push(lab: NatLab, relay: PeerProcess, tmp_path: Path) -> tuple[dic
 
         sink_id = wait_for(relayed, 60, "the stranger to get a slot on the peerd relay")["peer_id"]
         pushed = subprocess.run(lab.exec_prefix("s2") + [sys.executable, script, "source", relay_maddr, sink_id,
-                                                         str(PUSHED)], check=False, capture_output=True, text=True,
+                                                         str(PUSHED), str(report)], check=False, capture_output=True,
+                                text=True,
                                 timeout=120)
         assert pushed.stdout.strip(), pushed.stderr[-2000:]
         result = json.loads(pushed.stdout.strip().splitlines()[-1])
