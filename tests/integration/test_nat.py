@@ -121,10 +121,13 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         relay = start("relay", "-o", "training.enabled=false", "-o", "swarm.roles=[bootstrap]")
         relay.wait_ready(60)
         bootstrap = ["--initial-peers", public_maddr(relay, lab.addr("relay"))]
+        pub = start("pub", *bootstrap)
+        # The relay's own service starts once AutoNAT (pub dialling it back) finds it reachable. Slots reserved
+        # before that are on p2pd's default service, which it replaces (README, "Peers behind NAT").
+        wait_for(lambda: reach(relay)["relay_service"]["active"], 90, "the relay's relay service to start", 0.5)
         natted = ["-o", "swarm.relay.reachability=private"]
         b = start("b", *bootstrap, *natted, "-o", f"experts={EXPERTS}")
         a = start("a", *bootstrap, *natted)
-        pub = start("pub", *bootstrap)
         for peer in (a, b, pub):
             peer.wait_ready(90)
 
