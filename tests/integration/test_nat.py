@@ -108,7 +108,10 @@ def remote_calls(peer: PeerProcess) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(300)
-def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, config: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("natted_reachability", ["private", "auto"])
+def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, config: Path, tmp_path: Path,
+                                                                 natted_reachability: str) -> None:
+    """``private``: the natted peers say so; ``auto`` (the default): AutoNAT finds them unreachable."""
     common = ["--config", str(config)]
     peers: list[NetnsPeer] = []
 
@@ -125,7 +128,7 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         # The relay's own service starts once AutoNAT (pub dialling it back) finds it reachable. Slots reserved
         # before that are on p2pd's default service, which it replaces (README, "Peers behind NAT").
         wait_for(lambda: reach(relay)["relay_service"]["active"], 90, "the relay's relay service to start", 0.5)
-        natted = ["-o", "swarm.relay.reachability=private"]
+        natted = ["-o", f"swarm.relay.reachability={natted_reachability}"]
         b = start("b", *bootstrap, *natted, "-o", f"experts={EXPERTS}")
         a = start("a", *bootstrap, *natted)
         for peer in (a, b, pub):
@@ -134,7 +137,7 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         # each natted peer holds a slot on the relay and announces its relayed address
         ready_at = time.monotonic()
         for peer in (a, b):
-            wait_for(lambda p=peer: reach(p)["relays"] == [relay.peer_id], 60, f"{peer.name} to reserve a slot")
+            wait_for(lambda p=peer: reach(p)["relays"] == [relay.peer_id], 90, f"{peer.name} to reserve a slot", 0.5)
             assert reach(peer)["state"] == "relayed"
             assert any("/p2p-circuit" in m for m in reach(peer)["addresses"])
         slots_after = time.monotonic() - ready_at
@@ -154,7 +157,7 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         sizes = {**report_a["group_sizes"]}
         assert int(sizes.get("3", 0)) + int(sizes.get("2", 0)) >= 3, report_a
         answered, failed = (now - before for now, before in zip(remote_calls(a), calls_before, strict=True))
-        print(f"\n[nat] both natted peers relayed {slots_after:.1f}s after their ready lines; a: rounds_ok={report_a['rounds_ok']} rounds_solo={report_a['rounds_solo']} "
+        print(f"\n[nat {natted_reachability}] both natted peers relayed {slots_after:.1f}s after their ready lines; a: rounds_ok={report_a['rounds_ok']} rounds_solo={report_a['rounds_solo']} "
               f"group_sizes={report_a['group_sizes']}; b: rounds_ok={report_b['rounds_ok']} "
               f"group_sizes={report_b['group_sizes']}; a's expert calls to b since then answered={answered} failed={failed}; "
               f"relay: {service['bytes_relayed']} bytes in {service['circuits_total']} circuits, "
