@@ -11,7 +11,9 @@ listing every other; records seen per peer (min/median); the number of distinct 
 groups of the "lists" relation: more than one is a split brain); peers that flagged a partial view or
 re-bootstrapped (``view`` in status); DHT read latency (each daemon times its reads of all records: the median
 over peers of their p50, and the median and max of their p99); RSS, PSS and USS of each peer's process tree
-(median, max, and PSS summed over all peers); open file descriptors per peer; the machine's load.
+(median, max, and PSS summed over all peers); open file descriptors per peer; loopback traffic per peer over
+``--idle-window`` seconds once views are full (record refreshes, view checks, DHT upkeep, and this script's
+status polls, which read the records too); the machine's load.
 
 ``--mode train`` (configs/synthetic.yaml: groups of 4, at least 2): once the views are full the trainers train
 for ``--train-seconds``; printed: rounds averaged and solo (success rate), group sizes, steps.
@@ -82,6 +84,16 @@ def launch(swarm: LocalSwarm, args: argparse.Namespace, n: int, pool: ThreadPool
         list(pool.map(lambda p: p.wait_ready(240), batch))
 
 
+def loopback_bytes() -> int:
+    """Bytes received on the loopback interface so far (every peer here talks over it, nothing else should)."""
+    with open("/proc/net/dev") as dev:
+        for line in dev:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[0])
+    return 0
+
+
 def training_totals(found: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Rounds (averaged, solo) and group sizes summed over the trainers; steps per trainer."""
     trainers = [s["training"] for s in found.values() if s.get("training")]
@@ -142,6 +154,10 @@ def run_once(args: argparse.Namespace, n: int, log_dir: Path) -> dict[str, Any]:
         result["read_p99"] = (statistics.median(r["p99"] for r in reads), max(r["p99"] for r in reads)) if reads \
             else None
         result["load_full_view"] = load()
+        # steady-state traffic: record refreshes, view checks, DHT upkeep (and this script's status polls)
+        sent, started = loopback_bytes(), time.monotonic()
+        time.sleep(args.idle_window)  # the measurement window
+        result["lo_bytes_per_s"] = (loopback_bytes() - sent) / (time.monotonic() - started)
         if args.mode == "train":
             before = training_totals(found)  # rounds before the full view include peer 0's alone at start
             time.sleep(args.train_seconds)  # the training window being measured, not synchronisation
@@ -179,6 +195,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{statistics.median(m.pss for m in mem):.0f}/{max(m.pss for m in mem):.0f}",
             f"{statistics.median(m.uss for m in mem):.0f}", f"{sum(m.pss for m in mem) / 1024:.1f}",
             f"{r['fds'][len(r['fds']) // 2]}/{r['fds'][-1]}" if r["fds"] else "-",
+            f"{r['lo_bytes_per_s'] / r['peers'] / 1024:.1f}",
             f"{r['load_start']} | {r['load_full_view']} | {r['load_end']}",
         ])
     print(f"\nbench_scale {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, mode {args.mode}, "
@@ -186,7 +203,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(format_table(["peers", "start->last ready s", "full view after last ready s", "seen min/med",
                         "views", "DHTs", "flagged/rebootstraps", "read p50 ms", "read p99 med/max ms",
                         "RSS med/max MiB", "PSS med/max MiB", "USS med MiB", "PSS sum GiB", "fds med/max",
-                        "load 1/5/15: start | full view | end"], rows))
+                        "lo KiB/s per peer", "load 1/5/15: start | full view | end"], rows))
     if args.mode == "train":
         train_rows = []
         for r in results:
@@ -210,6 +227,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--train-seconds", type=float, default=90.0)
+    parser.add_argument("--idle-window", type=float, default=20.0, help="seconds of traffic measured")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     args.config = args.config or CONFIGS[args.mode]

@@ -243,7 +243,8 @@ class Daemon:
                 await self.swarm.publish(self.record())
             except PeerdError as e:
                 logger.warning("Could not refresh our peer record: %s", e)
-            await self._check_view()
+            if self.view is not None and self.view.due(time.monotonic()):
+                await self._check_view()
 
     async def _check_view(self) -> None:
         """Split-brain detection (``peerd.swarm.view``): reads every record, compares the view with what the

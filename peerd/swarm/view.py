@@ -2,7 +2,7 @@
 
 hivemind's users have seen peers with the same initial peers form separate DHTs (hivemind#624: four peers, two
 DHTs of two), and a peer whose routing table misses the nodes that hold ``<run>.peers`` reads a partial set of
-records. Neither fails anything: the peer just trains with fewer peers. So every supervision tick the daemon
+records. Neither fails anything: the peer just trains with fewer peers. So every few seconds the daemon
 reads the records and :class:`ViewWatch` compares what it sees with two kinds of evidence:
 
 - **what others report**: each record carries ``peers_seen``, the size of its publisher's view. A peer that
@@ -11,7 +11,8 @@ reads the records and :class:`ViewWatch` compares what it sees with two kinds of
   them still answers a ping, this peer is likely in another DHT than they are. (An initial peer that is a bare
   hivemind DHT node, publishing no record, looks the same; the status says which evidence was used.)
 
-A suspicion must hold for ``CONFIRM`` ticks in a row (records spread within a refresh period or two). Then the
+The check runs every ``CHECK_PERIOD`` seconds (or every supervision tick, if those are longer). A suspicion
+must hold for ``CONFIRM`` checks in a row (records spread within a refresh period or two). Then the
 daemon logs a WARNING, shows it in status (``view``) and re-bootstraps without restarting: it re-dials the
 initial peers and the peer reporting the largest view (its record has its addresses), pings them into the routing
 table and looks up its own neighbourhood and the records key again
@@ -38,8 +39,11 @@ logger = logging.getLogger(__name__)
 
 SHORTFALL = 0.75  # a view smaller than this fraction of the largest reported one is partial ...
 MIN_GAP = 2  # ... if it also misses at least this many peers (small swarms: one record may just be late)
-CONFIRM = 3  # consecutive ticks a suspicion must hold before the peer warns and re-bootstraps
+CONFIRM = 3  # consecutive checks a suspicion must hold before the peer warns and re-bootstraps
 MAX_BACKOFF = 300.0  # seconds between re-bootstraps at most, while the view stays partial
+# Seconds between checks at least. A read of all records costs O(swarm size) bytes from each node asked (8 peers:
+# +35 KiB/s per peer at every 2 s tick, measured), and a split brain is a lasting state, not a passing one.
+CHECK_PERIOD = 10.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,15 @@ class ViewWatch:
         self._backoff = period
         self._next_rebootstrap = 0.0
         self._warned = False
+        self._next_check = 0.0
         self.read_seconds: deque[float] = deque(maxlen=200)  # durations of the DHT reads of all records
+
+    def due(self, now: float) -> bool:
+        """True once per ``CHECK_PERIOD`` (``now``: monotonic seconds): time to read the records and observe."""
+        if now < self._next_check:
+            return False
+        self._next_check = now + CHECK_PERIOD
+        return True
 
     def observe(self, seen: Iterable[str], reported: Mapping[str, int | None], now: float) -> bool:
         """Takes one tick's view; True when the daemon should re-bootstrap now."""

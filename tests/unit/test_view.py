@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from peerd.swarm.view import CONFIRM, MAX_BACKOFF, ViewWatch, judge
+from peerd.swarm.view import CHECK_PERIOD, CONFIRM, MAX_BACKOFF, ViewWatch, judge
 
 ME = "12D3KooWMe"
 BOOT = "12D3KooWBootstrapPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
@@ -102,3 +102,11 @@ def test_read_latency_percentiles() -> None:
     watch.read_seconds.extend([0.01] * 99 + [1.0])
     reads = watch.status()["read_seconds"]
     assert reads["count"] == 100 and reads["p50"] == 0.01 and reads["p99"] == 1.0
+
+
+@pytest.mark.timeout(10)
+def test_checks_are_spaced_by_the_check_period() -> None:
+    watch = ViewWatch([], ME, period=2.0)
+    assert watch.due(100.0)
+    assert not watch.due(100.0 + CHECK_PERIOD - 0.1)
+    assert watch.due(100.0 + CHECK_PERIOD)
