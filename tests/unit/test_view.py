@@ -110,3 +110,17 @@ def test_checks_are_spaced_by_the_check_period() -> None:
     assert watch.due(100.0)
     assert not watch.due(100.0 + CHECK_PERIOD - 0.1)
     assert watch.due(100.0 + CHECK_PERIOD)
+
+
+@pytest.mark.timeout(10)
+def test_a_partial_view_shows_in_the_status_text() -> None:
+    from peerd.tables import format_status
+
+    watch = ViewWatch([BOOT_MADDR], ME, period=2.0)
+    for t in range(CONFIRM):
+        watch.observe([BOOT], {BOOT: 30}, now=float(t))
+    text = format_status({"peer_id": ME, "peers": [], "view": watch.status()})
+    assert "WARNING:   partial view of the swarm (split brain?): this peer sees 2 peers" in text
+    assert "1 re-bootstrap(s)" in text
+    watch.observe([BOOT, *peers(28)], {BOOT: 30}, now=100.0)
+    assert "partial view" not in format_status({"peer_id": ME, "peers": [], "view": watch.status()})
