@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from peerd.metrics import StatusCollector
 from peerd.swarm.view import CHECK_PERIOD, CONFIRM, MAX_BACKOFF, ViewWatch, judge
 
 ME = "12D3KooWMe"
@@ -113,7 +114,7 @@ def test_checks_are_spaced_by_the_check_period() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_a_partial_view_shows_in_the_status_text() -> None:
+def test_a_partial_view_shows_in_the_status_text_and_metrics() -> None:
     from peerd.tables import format_status
 
     watch = ViewWatch([BOOT_MADDR], ME, period=2.0)
@@ -122,5 +123,9 @@ def test_a_partial_view_shows_in_the_status_text() -> None:
     text = format_status({"peer_id": ME, "peers": [], "view": watch.status()})
     assert "WARNING:   partial view of the swarm (split brain?): this peer sees 2 peers" in text
     assert "1 re-bootstrap(s)" in text
+    collector = StatusCollector()
+    collector.snapshot = {"peer_id": ME, "peers": [], "view": watch.status()}
+    samples = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert samples["peerd_swarm_view_partial"] == 1.0 and samples["peerd_swarm_rebootstraps_total"] == 1.0
     watch.observe([BOOT, *peers(28)], {BOOT: 30}, now=100.0)
     assert "partial view" not in format_status({"peer_id": ME, "peers": [], "view": watch.status()})
