@@ -235,7 +235,11 @@ def main() -> None:
     for n in (int(size) for size in args.peers.split(",")):
         for run in range(args.runs):
             log_dir = Path(tempfile.mkdtemp(prefix=f"peerd-scale-{n}-{run}-"))
-            results.append(run_once(args, n, log_dir))
+            try:
+                results.append(run_once(args, n, log_dir))
+            except (PeerdError, TimeoutError) as e:  # a peer that never got ready: say so, go on to the next run
+                print(f"{n} peers run {run + 1}: FAILED ({str(e).splitlines()[0]}), logs {log_dir}", flush=True)
+                continue
             r = results[-1]
             print(f"{n} peers run {run + 1}: full view {r['full_view_after_last_ready']}, DHTs {r['dht_groups']}, "
                   f"seen min {r['seen'][0]}, exit codes {dict(r['exit_codes'])}, logs {log_dir}", flush=True)
