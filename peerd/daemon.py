@@ -97,7 +97,10 @@ class Daemon:
             self._on_stop("training loop", self._stop_training_loop, self.config.shutdown_timeout / 3)
             self._progress = TerminalProgress.start(self.config.logging, self.training_snapshot)
             self._on_stop("progress display", self._progress.stop)
-        await self.swarm.publish(self.record())
+        try:
+            await self.swarm.publish(self.record())
+        except PeerdError as e:  # a busy swarm (64 peers on 2 cores) can time a store out: retried every tick
+            logger.warning("Could not publish our first peer record (retrying each refresh): %s", e)
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
         self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
 
