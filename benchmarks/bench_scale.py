@@ -217,6 +217,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
               f"member: a round of 4 counts 4 times)")
         print(format_table(["peers", "rounds ok", "rounds solo", "success", "group sizes {size: rounds}",
                             "steps min/med/max"], train_rows))
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -245,7 +246,7 @@ def main() -> None:
             r = results[-1]
             print(f"{n} peers run {run + 1}: full view {r['full_view_after_last_ready']}, DHTs {r['dht_groups']}, "
                   f"seen min {r['seen'][0]}, exit codes {dict(r['exit_codes'])}, logs {log_dir}", flush=True)
-    report(results, args)
+            report(results, args)  # after every run: a long series cut short still leaves its table
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ class ViewWatch:
         self._next_rebootstrap = 0.0
         self._warned = False
         self._next_check = 0.0
+        self._whole = 0  # consecutive checks that found the view whole
         self.read_seconds: deque[float] = deque(maxlen=200)  # durations of the DHT reads of all records
 
     def due(self, now: float) -> bool:
@@ -106,8 +107,12 @@ class ViewWatch:
         if not self.verdict.partial:
             if self._warned:
                 logger.info("The view of the swarm is whole again: %d peers", self.verdict.seen)
-            self._streak, self._warned, self._backoff = 0, False, self.period
+            self._streak, self._warned = 0, False
+            self._whole += 1
+            if self._whole >= CONFIRM:  # only whole for a while: a flapping view (overload) keeps its backoff
+                self._backoff = self.period
             return False
+        self._whole = 0
         self._streak += 1
         if self._streak < CONFIRM or now < self._next_rebootstrap:
             return False

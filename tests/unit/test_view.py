@@ -84,6 +84,9 @@ def test_watch_warns_and_rebootstraps_after_confirmation_then_backs_off(caplog: 
     assert not watch.observe([BOOT, *peers(39)], {BOOT: 41}, now=2e7)
     assert not watch.status()["partial"]
     assert caplog.records[-1].levelno == logging.INFO and "whole again" in caplog.records[-1].getMessage()
+    assert watch._backoff == MAX_BACKOFF  # one whole check is not enough: an overloaded swarm's views flap
+    for t in range(CONFIRM - 1):
+        watch.observe([BOOT, *peers(39)], {BOOT: 41}, now=2e7 + t + 1)
     assert watch._backoff == 2.0
 
 
