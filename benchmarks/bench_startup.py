@@ -8,32 +8,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _memory import tree_memory
 
 from peerd.launcher import LocalSwarm, wait_for
 from peerd.tables import format_table
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
-
-
-def tree_memory(pids: list[int]) -> tuple[float, float, list[str]]:
-    """(RSS sum, PSS sum) in MiB; PSS splits shared pages (torch, libc) fairly between processes."""
-    rss = pss = 0.0
-    parts = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            info = proc.memory_full_info()
-        except psutil.NoSuchProcess:
-            continue
-        rss += info.rss / 2**20
-        pss += getattr(info, "pss", info.rss) / 2**20
-        parts.append(f"{proc.name()}={info.rss / 2**20:.0f}")
-    return rss, pss, parts
 
 
 def main() -> None:
@@ -55,7 +42,7 @@ def main() -> None:
         # Idle footprint of the bootstrap once it has settled (records refreshed a few times).
         time.sleep(5)  # a measurement window, not synchronisation: let a few record refreshes happen
         bootstrap.remember_tree()
-        rss, pss, parts = tree_memory(bootstrap.alive_tree())
+        memory = tree_memory(bootstrap.alive_tree())
 
     rows = [
         ["start -> ready line", f"{statistics.median(ready_times):.2f}", f"{min(ready_times):.2f}",
@@ -65,8 +52,8 @@ def main() -> None:
     ]
     print(f"peerd start-up over {args.runs} joiners (seconds, loopback, python startup included)")
     print(format_table(["measure", "median", "min", "max"], rows))
-    print(f"\nidle daemon memory (daemon + DHT child + p2pd + torch_shm_manager): "
-          f"RSS sum {rss:.0f} MiB, PSS sum {pss:.0f} MiB  [{', '.join(parts)}]")
+    print(f"\nidle daemon memory (daemon + DHT child + p2pd): RSS sum {memory.rss:.0f} MiB, PSS sum "
+          f"{memory.pss:.0f} MiB  [RSS/PSS per process: {memory.describe()}]")
 
 
 if __name__ == "__main__":

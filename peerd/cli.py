@@ -95,7 +95,11 @@ def start(**options: Any) -> None:
     """Start a peer daemon. Prints one JSON ready line on stdout, then logs on stderr."""
     try:
         config = _build_config(options)
+        from peerd.footprint import lean_hivemind
         from peerd.log import route_hivemind_logs, setup_logging
+
+        # before the first hivemind import (route_hivemind_logs)
+        lean_hivemind(light=not config.training.enabled and config.experts is None)
 
         setup_logging(config.logging)
         route_hivemind_logs(config.logging)

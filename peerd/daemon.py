@@ -31,6 +31,7 @@ from peerd.errors import DaemonError, PeerdError
 from peerd.swarm.clock import ttl_margin_problems
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
+from peerd.swarm.view import ViewWatch
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, membership_from_config
 
@@ -48,6 +49,7 @@ class Daemon:
         self.started_at = now()
         self.stop_event = asyncio.Event()
         self.swarm: SwarmNode | None = None
+        self.view: ViewWatch | None = None
         self.control: ControlServer | None = None
         self.trainer: CollaborativeTrainer | None = None
         self._trainer_task: asyncio.Task[None] | None = None
@@ -79,6 +81,8 @@ class Daemon:
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
+        self.view = ViewWatch(self.config.swarm.initial_peers, self.swarm.peer_id,
+                              self.config.swarm.record_refresh_period)
         await self._refresh_reachability()
         if self.config.experts is not None:
             await self._start_experts()
@@ -93,7 +97,10 @@ class Daemon:
             self._on_stop("training loop", self._stop_training_loop, self.config.shutdown_timeout / 3)
             self._progress = TerminalProgress.start(self.config.logging, self.training_snapshot)
             self._on_stop("progress display", self._progress.stop)
-        await self.swarm.publish(self.record())
+        try:
+            await self.swarm.publish(self.record())
+        except PeerdError as e:  # a busy swarm (64 peers on 2 cores) can time a store out: retried every tick
+            logger.warning("Could not publish our first peer record (retrying each refresh): %s", e)
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
         self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
 
@@ -239,7 +246,25 @@ class Daemon:
                 await self.swarm.publish(self.record())
             except PeerdError as e:
                 logger.warning("Could not refresh our peer record: %s", e)
+            if self.view is not None and self.view.due(time.monotonic()):
+                await self._check_view()
 
+    async def _check_view(self) -> None:
+        """Split-brain detection (``peerd.swarm.view``): reads every record, compares the view with what the
+        others report and with the initial peers, and re-bootstraps when it stays partial."""
+        assert self.swarm is not None and self.view is not None
+        started = time.monotonic()
+        try:
+            seen = await self.swarm.read_peers()
+        except PeerdError as e:
+            logger.debug("Could not read the swarm's records: %s", e)
+            return
+        self.view.read_seconds.append(time.monotonic() - started)
+        live = [peer.record for peer in seen if peer.record.state is not PeerState.LEAVING]
+        if self.view.observe([r.peer_id for r in live], {r.peer_id: r.peers_seen for r in live}, time.monotonic()):
+            reporter = [r.maddrs[0] for r in live if r.peer_id == self.view.verdict.reporter and r.maddrs]
+            self.view.rebootstrapped(await self.swarm.rebootstrap(reporter))
+            self._announce_now.set()  # store our record where the refreshed routing table says it belongs
     async def shutdown(self) -> None:
         """Stops what :meth:`start` started, in reverse order: leaving announcement, progress display,
         training loop, control endpoint, trainer, expert client, expert server, P2P handle, swarm."""
@@ -268,6 +293,7 @@ class Daemon:
             capabilities=Capabilities(throughput=throughput, experts=self.experts.uids if self.experts else []),
             started_at=self.started_at,
             updated_at=max(now(), self.started_at),
+            peers_seen=self.view.seen_count if self.view is not None else None,
         )
 
     def _roles(self) -> list[str]:
@@ -331,6 +357,7 @@ class Daemon:
             "pid": os.getpid(),
             "peers": peers,
             "dht_error": error,
+            "view": self.view.status() if self.view is not None else None,
             "records_dropped": await self.swarm.dropped_records(),
             "training": self.trainer.report.as_dict() if self.trainer is not None else None,
             "experts": self.experts_snapshot(),

@@ -141,6 +141,12 @@ class StatusCollector(Collector):
         seen = float(len(peers)) if isinstance(peers, list) and not status.get("dht_error") else None
         yield _gauge("peerd_swarm_peers", "Other peers with a live record in the DHT (absent if the read "
                      "failed).", seen)
+        view = _mapping(status, "view") or {}
+        partial = view.get("partial")
+        yield _gauge("peerd_swarm_view_partial", "1 while this peer's view of the swarm looks partial (split "
+                     "brain?), see peerd.swarm.view.", None if partial is None else float(bool(partial)))
+        yield _counter("peerd_swarm_rebootstraps", "Re-bootstraps after a partial view.",
+                       _number(view, "rebootstraps"))
         dropped = CounterMetricFamily("peerd_records_dropped", "DHT records refused (forged, foreign or "
                                       "malformed), by reason.", labels=["reason"])
         counts = _mapping(status, "records_dropped") or {}

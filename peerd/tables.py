@@ -88,6 +88,10 @@ def format_status(data: dict[str, Any]) -> str:
         lines += format_reachability(data["reachability"])
     if data.get("dht_error"):
         lines.append(f"warning:   {data['dht_error']}")
+    view = data.get("view") or {}
+    if view.get("partial"):
+        lines.append(f"WARNING:   partial view of the swarm (split brain?): {view.get('reason')}; "
+                     f"{view.get('rebootstraps', 0)} re-bootstrap(s) so far")
     training = data.get("training")
     if training:
         lines.append(f"training:  {training.get('mode')} | {format_progress(training)}")

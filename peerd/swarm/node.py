@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator, child_drop_counts
+from peerd.swarm.view import rebootstrap_in_child
 from peerd.wire.membership import Membership
 
 logger = logging.getLogger(__name__)
@@ -249,6 +251,19 @@ class SwarmNode:
             except ProtocolViolation as e:
                 self.drop("malformed", e)
         return sorted(peers, key=lambda p: p.record.peer_id)
+
+    async def rebootstrap(self, others: Sequence[str] = ()) -> int:
+        """Re-dials the initial peers (and ``others``: multiaddrs with /p2p/) and looks up our neighbourhood
+        again, in the running DHT (``view.py``); returns how many initial peers answered."""
+        timeout = self.config.request_timeout
+        coroutine = partial(rebootstrap_in_child, list(self.config.initial_peers), list(others), self.records_key,
+                            timeout)
+        future = self.dht.run_coroutine(coroutine, return_future=True)
+        try:
+            return int(await asyncio.wait_for(asyncio.wrap_future(future), timeout * 4))
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.warning("Re-bootstrap did not finish: %s", _short(e))
+            return 0
 
     def _log_dropped(self, peer: str, error: ProtocolViolation) -> None:
         # Status requests read the DHT often; one bad peer must not flood the log.

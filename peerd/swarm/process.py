@@ -11,6 +11,7 @@ process starts p2pd, so wrapping that one function here adds flags without touch
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -30,6 +31,15 @@ class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type informat
     def __init__(self, *args: Any, p2pd_flags: Mapping[str, int | str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.p2pd_flags = dict(p2pd_flags or {})  # read in run(), in the child: before start()
+
+    def start(self) -> None:
+        # Fork shares the daemon's pages with the child until either writes to them, and a garbage collection
+        # writes to every object it visits (torch's and hivemind's modules: ~60 MiB of Python objects). Frozen
+        # objects are never visited, so those pages stay shared; they are import-time objects that live for
+        # the whole process anyway.
+        gc.collect()
+        gc.freeze()
+        super().start()
 
     def run(self) -> None:
         os.setpgid(0, 0)

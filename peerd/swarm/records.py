@@ -71,6 +71,9 @@ class PeerRecord(BaseModel):
     capabilities: Capabilities = Field(default_factory=Capabilities, description="Experts, throughput.")
     started_at: float = Field(ge=0, allow_inf_nan=False, description="DHT time (s) the peer started.")
     updated_at: float = Field(ge=0, allow_inf_nan=False, description="DHT time (s) of this publication.")
+    peers_seen: int | None = Field(
+        default=None, ge=0, description="Records the publisher saw at its last read of the swarm, its own included "
+        "(readers compare it with their own view to notice a partial one); null: not read yet.")
 
     @field_validator("maddrs")
     @classmethod

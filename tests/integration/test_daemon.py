@@ -46,6 +46,13 @@ def test_three_peers_see_each_other_and_a_stopped_peer_disappears(swarm: LocalSw
         assert {p["peer_id"] for p in data["peers"]} == {q.peer_id for q in swarm.peers if q is not peer}
         assert all(p["state"] == "idle" and p["maddrs"] for p in data["peers"])
         assert data["uptime"] > 0 and data["maddrs"]
+    # Split-brain detection (peerd.swarm.view) counts the same three, and each record says so to the others.
+    def views_whole() -> bool:
+        statuses = [p.status() for p in swarm.peers]
+        return all(s["view"]["seen"] == 3 and not s["view"]["partial"] and s["view"]["read_seconds"]["p50"]
+                   and all(r.get("peers_seen") == 3 for r in s["peers"]) for s in statuses)
+
+    wait_for(views_whole, 40, "every view check and record to count 3 peers")
     human = peerd("status", "--control", first.control, timeout=30)
     assert human.returncode == 0 and second.peer_id[-6:] in human.stdout and "peers seen (2)" in human.stdout
 

@@ -91,6 +91,7 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
     wait_for(lambda: all((status(p)["training"]["validation_step"] or 0) >= 5 for p in members), 120,
              "members to validate at step 5", 0.5)
     first_validation = {p.peer_id: status(p)["training"]["validation_loss"] for p in members}
+    first_step = {p.peer_id: status(p)["training"]["validation_step"] for p in members}
 
     strangers = [swarm.spawn_peer([]), swarm.spawn_peer(["--swarm-secret", str(other)])]
     for peer in strangers:
@@ -119,6 +120,10 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
         report = status(peer)["training"]
         assert report["rounds_ok"] == 0 and report["state_syncs"] == 0, report
         assert good_calls(peer) == 0
+    # The loss is judged 15 steps past the first validation, not at whatever step the strangers' checks end:
+    # with peers that start faster that could be the very next validation, 5 noisy steps later.
+    wait_for(lambda: all(status(p)["training"]["validation_step"] >= first_step[p.peer_id] + 15 for p in members),
+             120, "members to validate 15 steps later", 0.5)
     for peer in members:
         seen = status(peer)
         assert not stranger_ids & {p["peer_id"] for p in seen["peers"]}  # their records are not members'

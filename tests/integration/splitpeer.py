@@ -1,0 +1,26 @@
+"""`peerd start` whose DHT joins through ``SPLIT_BOOTSTRAP`` while its config names other initial peers.
+
+test_split_brain.py runs it as ``python -m tests.integration.splitpeer start ...``: a peer in another DHT than
+the initial peers it was told about, which is what a split brain looks like from inside that peer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from peerd.cli import main
+from peerd.config import SwarmConfig
+from peerd.swarm.node import SwarmNode
+
+_start_dht = SwarmNode._start_dht
+
+
+def _start_elsewhere(config: SwarmConfig, *args: Any) -> Any:
+    return _start_dht(config.model_copy(update={"initial_peers": [os.environ["SPLIT_BOOTSTRAP"]]}), *args)
+
+
+SwarmNode._start_dht = staticmethod(_start_elsewhere)  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    main()
