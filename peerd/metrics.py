@@ -22,7 +22,7 @@ import bisect
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 ROUND_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 EXPERT_CALL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
 
 
 @dataclass
@@ -108,6 +109,14 @@ def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
     return family
 
 
+def _by_label(family: Family, counts: Mapping[str, Any] | None) -> Family:
+    """``family`` (one label) with a sample per numeric entry of ``counts`` (label value -> number)."""
+    for label in counts or {}:
+        if (value := _number(counts, label)) is not None:
+            family.add_metric([str(label)], value)
+    return family
+
+
 def _counter(name: str, doc: str, value: float | None) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc)
     if value is not None:
@@ -149,11 +158,7 @@ class StatusCollector(Collector):
                        _number(view, "rebootstraps"))
         dropped = CounterMetricFamily("peerd_records_dropped", "DHT records refused (forged, foreign or "
                                       "malformed), by reason.", labels=["reason"])
-        counts = _mapping(status, "records_dropped") or {}
-        for reason in counts:
-            if (value := _number(counts, reason)) is not None:
-                dropped.add_metric([str(reason)], value)
-        yield dropped
+        yield _by_label(dropped, _mapping(status, "records_dropped"))
         yield from self._membership(_mapping(status, "membership"))
         yield from self._reachability(_mapping(status, "reachability"))
 
@@ -161,11 +166,7 @@ class StatusCollector(Collector):
         refused = CounterMetricFamily("peerd_streams_refused", "Inbound streams refused before any payload was "
                                       "read (not a member, bad proof, busy, malformed handshake), by reason.",
                                       labels=["reason"])
-        counts = _mapping(m, "streams_refused") or {}
-        for reason in counts:
-            if (value := _number(counts, reason)) is not None:
-                refused.add_metric([str(reason)], value)
-        yield refused
+        yield _by_label(refused, _mapping(m, "streams_refused"))
         yield _counter("peerd_streams_accepted", "Inbound streams that passed the membership handshake.",
                        _number(m, "streams_accepted"))
         yield _gauge("peerd_streams_open", "Inbound peerd streams open now.", _number(m, "streams_open"))
@@ -180,11 +181,7 @@ class StatusCollector(Collector):
         yield state
         connections = GaugeMetricFamily("peerd_connections", "Open connections to other peers, by path.",
                                         labels=["via"])
-        counts = _mapping(r, "connections") or {}
-        for via in counts:
-            if (value := _number(counts, via)) is not None:
-                connections.add_metric([str(via)], value)
-        yield connections
+        yield _by_label(connections, _mapping(r, "connections"))
         service = _mapping(r, "relay_service")
         yield _counter("peerd_relay_bytes", "Bytes this peer's relay service carried for others.",
                        _number(service, "bytes_relayed"))
