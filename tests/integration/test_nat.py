@@ -16,47 +16,31 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from peerd.launcher import PeerProcess, wait_for
 from tests.conftest import REPO
 from tests.integration.natlab import NatLab, nat_lab_or_skip
+from tests.integration.test_experts import CONFIG as MOE_CONFIG
+from tests.integration.test_experts import HIDDEN
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _netns_peerd import NetnsPeer  # benchmarks/ is on sys.path, not a package
 
 pytestmark = pytest.mark.integration
 
-HIDDEN = 32
-CONFIG = f"""
-run_name: peerd-nat-test
-swarm:
-  host_maddrs: ["/ip4/0.0.0.0/tcp/0"]
-  record_refresh_period: 1.0
-  record_ttl: 6.0
-  secret_path: {{secret}}
-control:
-  port: 0
-training:
-  enabled: true
-  task:
-    name: lm
-    options:
-      seq_len: 32
-      batch_size: 8
-      d_model: {HIDDEN}
-      n_heads: 2
-      d_ff: 64
-      max_files: 40
-      val_files: 4
-      val_batches: 2
-      moe: {{{{layers: [-1], num_experts: 4, k: 2, k_min: 1, timeout: 4.0, grace: 0.05, refresh_period: 0.5,
-             retry_after: 1.0}}}}
-  lr: 0.01
-  target_batch_size: 24
-  validation_every: 5
-averaging:
-  min_group_size: 2
-"""
+
+def nat_config(secret: Path) -> str:
+    """test_experts' MoE LM swarm, open to other hosts, private, with timeouts for calls through a relay."""
+    config = yaml.safe_load(MOE_CONFIG)
+    config["run_name"] = "peerd-nat-test"
+    config["swarm"].update(host_maddrs=["/ip4/0.0.0.0/tcp/0"], record_ttl=6.0, secret_path=str(secret))
+    config["training"]["task"]["options"]["moe"]["timeout"] = 4.0
+    config["training"]["target_batch_size"] = 24
+    config["averaging"] = {"min_group_size": 2}
+    return str(yaml.safe_dump(config))
+
+
 EXPERTS = (f"{{uid_prefix: 'ffn.1.', count: 4, first_index: 0, hidden_dim: {HIDDEN}, ffn_dim: 64, lr: 0.003, "
            "announce_period: 1.0, record_ttl: 8.0}")
 
@@ -73,7 +57,7 @@ def config(tmp_path: Path) -> Path:
     subprocess.run([sys.executable, "-m", "peerd", "keygen", "--swarm-secret", str(secret)], check=True,
                    capture_output=True, timeout=60)
     path = tmp_path / "nat.yaml"
-    path.write_text(CONFIG.format(secret=secret))
+    path.write_text(nat_config(secret))
     return path
 
 
