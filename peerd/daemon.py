@@ -257,11 +257,14 @@ class Daemon:
         try:
             seen = await self.swarm.read_peers()
         except PeerdError as e:
-            logger.debug("Could not read the swarm's records: %s", e)
-            return
-        self.view.read_seconds.append(time.monotonic() - started)
-        live = [peer.record for peer in seen if peer.record.state is not PeerState.LEAVING]
-        if self.view.observe([r.peer_id for r in live], {r.peer_id: r.peers_seen for r in live}, time.monotonic()):
+            live = []
+            rebootstrap = self.view.failed_read(str(e), time.monotonic())
+        else:
+            self.view.read_seconds.append(time.monotonic() - started)
+            live = [peer.record for peer in seen if peer.record.state is not PeerState.LEAVING]
+            rebootstrap = self.view.observe([r.peer_id for r in live], {r.peer_id: r.peers_seen for r in live},
+                                            time.monotonic())
+        if rebootstrap:
             reporter = [r.maddrs[0] for r in live if r.peer_id == self.view.verdict.reporter and r.maddrs]
             self.view.rebootstrapped(await self.swarm.rebootstrap(reporter))
             self._announce_now.set()  # store our record where the refreshed routing table says it belongs

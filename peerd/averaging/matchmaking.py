@@ -74,11 +74,12 @@ class Matchmaker:
         self.config = config
         self.clock = clock
 
-    async def form_group(self, key: str, expected_peers: int) -> Group:
+    async def form_group(self, key: str, expected_peers: int, window: float | None = None) -> Group:
         """Registers for round ``key`` and returns this peer's group; ``expected_peers`` lets the leader
-        close early once that many peers (this one included) have registered."""
+        close early once that many peers (this one included) have registered. ``window``: how long the leader
+        waits for them (default ``averaging.matchmaking_window``); every peer of a round must pass the same."""
         me = self.swarm.peer_id
-        window = self.config.matchmaking_window
+        window = self.config.matchmaking_window if window is None else window
         registered_at, started = self.clock(), time.monotonic()
         # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
         lifetime = window + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET

@@ -29,6 +29,14 @@ class DilocoConfig(Section):
     outer_lr: float = Field(default=0.7, gt=0, allow_inf_nan=False, description="Outer SGD learning rate.")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
     nesterov: bool = Field(default=True, description="Nesterov momentum for the outer SGD.")
+    matchmaking_window: float = Field(
+        default=5.0, gt=0, allow_inf_nan=False,
+        description="Seconds the first peer to end a phase waits for the others at that phase before the outer "
+        "round's groups are fixed (it closes at once when all of them are in). Longer than "
+        "averaging.matchmaking_window: a peer learns that a phase ended from progress records, a read or two "
+        "later than the first, and one left out steps alone; with overlap the wait delays only when the update "
+        "lands, not the computing.",
+    )
     overlap: bool = Field(
         default=True,
         description="Average a phase's pseudo-gradients while the next phase computes, folding the outer "

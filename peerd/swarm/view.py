@@ -1,7 +1,7 @@
 """Is this peer's view of the swarm whole? Split-brain detection at run time, and the re-bootstrap that heals it.
 
 hivemind's users have seen peers with the same initial peers form separate DHTs (hivemind#624: four peers, two
-DHTs of two), and a peer whose routing table misses the nodes that hold ``<run>.peers`` reads a partial set of
+DHTs of two), and a peer whose routing table misses the nodes that hold ``<run>.peers.<n>`` reads a partial set of
 records. Neither fails anything: the peer just trains with fewer peers. So every few seconds the daemon
 reads the records and :class:`ViewWatch` compares what it sees with two kinds of evidence:
 
@@ -102,8 +102,21 @@ class ViewWatch:
 
     def observe(self, seen: Iterable[str], reported: Mapping[str, int | None], now: float) -> bool:
         """Takes one tick's view; True when the daemon should re-bootstrap now."""
-        self.verdict = judge(seen, reported, self.initial_ids, self.own_id, self.initial_alive)
-        self.seen_count = self.verdict.seen
+        verdict = judge(seen, reported, self.initial_ids, self.own_id, self.initial_alive)
+        self.seen_count = verdict.seen
+        return self._take(verdict, now)
+
+    def failed_read(self, error: str, now: float) -> bool:
+        """Takes a check whose read of the records failed; True when the daemon should re-bootstrap now.
+
+        A peer that cannot read the records sees nobody, however many records exist: an overloaded or cut-off
+        peer is the case this check is for, so failures count like a partial view (the streak still
+        debounces one slow read)."""
+        return self._take(Verdict(True, self.verdict.seen, self.verdict.expected,
+                                  f"its read of the records failed: {error}"), now)
+
+    def _take(self, verdict: Verdict, now: float) -> bool:
+        self.verdict = verdict
         if not self.verdict.partial:
             if self._warned:
                 logger.info("The view of the swarm is whole again: %d peers", self.verdict.seen)

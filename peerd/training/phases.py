@@ -65,7 +65,8 @@ class OuterRounds:
         try:
             if expected < 2:
                 raise GroupFailed("no other peer is at this phase")
-            group = await t.ordered(await t.matchmaker.form_group(f"{t.prefix}.outer.{phase}", expected))
+            key, window = f"{t.prefix}.outer.{phase}", t.config.diloco.matchmaking_window
+            group = await t.ordered(await t.matchmaker.form_group(key, expected, window))
             averaged, round_report = await t.reducer.all_reduce(
                 group, pseudo, weight, t.local.residual, average_residual=t.local.average_residual,
                 out=self.outer.averaged,

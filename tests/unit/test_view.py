@@ -100,6 +100,25 @@ def test_a_passing_dip_does_not_trigger() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_reads_that_keep_failing_count_as_a_partial_view(caplog: pytest.LogCaptureFixture) -> None:
+    # an overloaded peer whose every read times out sees nobody: it must say so and re-bootstrap, not stay quiet
+    watch = ViewWatch([BOOT_MADDR], ME, period=2.0)
+    assert not watch.observe([BOOT, *peers(10)], {BOOT: 12}, now=0.0)
+    caplog.set_level(logging.INFO, logger="peerd.swarm.view")
+    error = "reading 8 keys (run.peers.0 ...) timed out after 5.0s"
+    decisions = [watch.failed_read(error, now=float(t + 1)) for t in range(CONFIRM)]
+    assert decisions == [False] * (CONFIRM - 1) + [True]
+    status = watch.status()
+    assert status["partial"] and status["rebootstraps"] == 1 and error in status["reason"]
+    assert status["seen"] == 12  # the last view read stays what status shows
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] and error in caplog.records[0].getMessage()
+    # one failure between good reads is a slow read, not evidence
+    watch = ViewWatch([BOOT_MADDR], ME, period=2.0)
+    for t in range(10):
+        assert not (watch.failed_read(error, now=float(t)) if t % 2 else watch.observe([BOOT], {BOOT: 2}, float(t)))
+
+
+@pytest.mark.timeout(10)
 def test_read_latency_percentiles() -> None:
     watch = ViewWatch([], ME, period=2.0)
     assert watch.status()["read_seconds"] == {"count": 0, "p50": None, "p99": None}
