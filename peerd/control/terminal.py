@@ -1,10 +1,10 @@
-"""Training progress in the terminal: a line on stderr redrawn in place, or periodic log records.
+"""Training progress in the terminal: a live line on stderr, or periodic log records.
 
 On a terminal (stderr is a TTY and logs are text) one line shows step, loss, samples/s and peers, redrawn
-every second; log records erase it first and redraw it after, so the two never share a line. Anywhere
-else (a file, a pipe, ``--log-format json``) no line is drawn at all: a normal log record every
-``LOG_PERIOD`` seconds says the same, so it is formatted like every other record (a JSON line in JSON mode)
-and no carriage return or escape code ever reaches a log file.
+every second by a ``rich`` live display; log records written to that terminal are printed above it, so the
+two never share a line. Anywhere else (a file, a pipe, ``--log-format json``) no line is drawn at all: a
+normal log record every ``LOG_PERIOD`` seconds says the same, so it is formatted like every other record
+(a JSON line in JSON mode) and no carriage return or escape code ever reaches a log file.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
 
 from peerd.config import LoggingConfig
 
@@ -24,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 LIVE_PERIOD = 1.0
 LOG_PERIOD = 10.0
-_ERASE = "\r\x1b[2K"  # back to column 0, clear the whole line
 
 Snapshot = Callable[[], Mapping[str, Any] | None]
 
@@ -59,37 +60,33 @@ def is_live_terminal(stream: TextIO, config: LoggingConfig) -> bool:
     return config.format == "text" and stream.isatty() and os.environ.get("TERM") != "dumb"
 
 
-class _ErasingHandler(logging.Handler):
-    """Wraps a root handler so each record is written on a line of its own, below the progress line."""
+class _AboveLine:
+    """The stream of a log handler while the line is live: each write, one whole record as ``StreamHandler``
+    writes it, is printed above the line, in the handler's own format."""
 
-    def __init__(self, inner: logging.Handler, progress: TerminalProgress) -> None:
-        super().__init__(inner.level)
-        self.inner = inner
-        self._progress = progress
+    def __init__(self, console: Console) -> None:
+        self._console = console
 
-    def handle(self, record: logging.LogRecord) -> bool:
-        # One lock around erase, write and redraw: records may come from worker threads too.
-        with self._progress.lock:
-            self._progress.erase()
-            handled = self.inner.handle(record)
-            self._progress.draw()
-        return bool(handled)
+    def write(self, text: str) -> None:
+        # soft_wrap: the terminal wraps a long record, as before; rich would break it at words with newlines
+        self._console.print(Text(text), end="", soft_wrap=True)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.inner.emit(record)
+    def flush(self) -> None:
+        pass
 
 
 class TerminalProgress:
     """Shows a training snapshot in the terminal until :meth:`stop`; build it with :meth:`start`."""
 
-    def __init__(self, snapshot: Snapshot, stream: TextIO, live: bool) -> None:
+    def __init__(self, snapshot: Snapshot, display: Live | None) -> None:
         self._snapshot = snapshot
-        self._stream = stream
-        self.live = live
-        self.lock = threading.RLock()
-        self._line = ""
+        self._display = display
         self._task: asyncio.Task[None] | None = None
-        self._wrapped: list[tuple[logging.Handler, _ErasingHandler]] = []
+        self._redirected: list[tuple[logging.StreamHandler[Any], Any]] = []
+
+    @property
+    def live(self) -> bool:
+        return self._display is not None
 
     @classmethod
     def start(
@@ -97,11 +94,26 @@ class TerminalProgress:
     ) -> TerminalProgress:
         """Starts the periodic task on the running loop; ``stream`` defaults to the current stderr."""
         stream = stream if stream is not None else sys.stderr
-        progress = cls(snapshot, stream, is_live_terminal(stream, config))
-        if progress.live:
-            progress._wrap_root_handlers()
+        display = None
+        if is_live_terminal(stream, config):
+            # Forced: the decision is is_live_terminal's alone; rich's own (FORCE_COLOR, TTY_INTERACTIVE...)
+            # could differ and then draw into a pipe, or draw nothing until the end.
+            console = Console(file=stream, force_terminal=True, force_interactive=True)
+            display = Live(console=console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
+        progress = cls(snapshot, display)
+        if display is not None:
+            progress._go_live(display, stream)
         progress._task = asyncio.ensure_future(progress._run())
         return progress
+
+    def _go_live(self, display: Live, stream: TextIO) -> None:
+        _quiet(display.start)
+        # rich hides the cursor while live; a daemon killed outright would leave the user's terminal so
+        _quiet(lambda: display.console.show_cursor(True))
+        above = _AboveLine(display.console)
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+                self._redirected.append((handler, handler.setStream(above)))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -111,13 +123,11 @@ class TerminalProgress:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self.live:
-            self._unwrap_root_handlers()
-            with self.lock:
-                if self._line:  # keep the last state in the scrollback, on a line of its own
-                    self.erase()
-                    self._write(self._line + "\n")
-                self._line = ""
+        for handler, stream in self._redirected:
+            handler.setStream(stream)
+        self._redirected.clear()
+        if self._display is not None:
+            _quiet(self._display.stop)  # keeps the last state in the scrollback, on a line of its own
 
     async def _run(self) -> None:
         period = LIVE_PERIOD if self.live else LOG_PERIOD
@@ -131,44 +141,16 @@ class TerminalProgress:
         if training is None:
             return
         line = format_progress(training)
-        if self.live:
-            with self.lock:
-                self._line = self._fit(line)
-                self.draw()
+        if self._display is not None:
+            # cut at the terminal's width: a wrapped line could no longer be redrawn in place
+            display, text = self._display, Text(line, no_wrap=True, overflow="ellipsis")
+            _quiet(lambda: display.update(text, refresh=True))
         else:
             logger.info("progress: %s", line)
 
-    def _fit(self, line: str) -> str:
-        # A line wider than the terminal wraps, and then the carriage return no longer reaches its start.
-        width = shutil.get_terminal_size(fallback=(120, 24)).columns - 1
-        return line if len(line) <= width else line[: max(0, width - 3)] + "..."
 
-    def erase(self) -> None:
-        if self._line:
-            self._write(_ERASE)
-
-    def draw(self) -> None:
-        if self._line:
-            self._write(_ERASE + self._line)
-
-    def _write(self, text: str) -> None:
-        try:
-            self._stream.write(text)
-            self._stream.flush()
-        except (OSError, ValueError):  # terminal gone or stream closed: nothing left to show it on
-            pass
-
-    def _wrap_root_handlers(self) -> None:
-        root = logging.getLogger()
-        for index, handler in enumerate(root.handlers):
-            wrapper = _ErasingHandler(handler, self)
-            root.handlers[index] = wrapper
-            self._wrapped.append((handler, wrapper))
-
-    def _unwrap_root_handlers(self) -> None:
-        root = logging.getLogger()
-        for handler, wrapper in self._wrapped:
-            if wrapper in root.handlers:
-                root.handlers[root.handlers.index(wrapper)] = handler
-            wrapper.close()
-        self._wrapped.clear()
+def _quiet(draw: Callable[[], object]) -> None:
+    try:
+        draw()
+    except (OSError, ValueError):  # terminal gone or stream closed: nothing left to show it on
+        pass

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 from typing import Any
@@ -201,45 +202,63 @@ class FakeTty(io.StringIO):
         return True
 
 
-def test_progress_line_redraws_in_place_and_log_records_get_their_own_line() -> None:
-    stream = FakeTty()
-    snapshot = {"step": 3, "loss": 0.25, "samples_per_second": 100.0, "peers_training": 2,
-                "state": "training"}
+def _run_progress(config: LoggingConfig, snapshot: dict[str, Any], stream: io.StringIO) -> TerminalProgress:
+    """Draws once, logs a record through the root handler on ``stream``, draws again, stops."""
     root = logging.getLogger()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
     saved = root.handlers[:]
     root.handlers[:] = [handler]
 
-    async def scenario() -> None:
-        progress = TerminalProgress.start(LoggingConfig(format="text"), lambda: snapshot, stream)
-        assert progress.live
+    async def scenario() -> TerminalProgress:
+        progress = TerminalProgress.start(config, lambda: snapshot, stream)
         progress.tick()
         logging.getLogger("peerd.test").warning("a log record")
-        await progress.stop()
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        root.handlers[:] = saved
-    line = format_progress(snapshot)
-    assert "step 3" in line and "loss 0.2500" in line and "100.0 samples/s" in line and "2 peers" in line
-    erase = "\r\x1b[2K"
-    # drawn; erased before the record, which ends its own line; redrawn; left in the scrollback at stop.
-    assert stream.getvalue() == f"{erase}{line}{erase}a log record\n{erase}{line}{erase}{line}\n"
-
-
-def test_no_progress_line_in_files_or_json_logs(caplog: pytest.LogCaptureFixture) -> None:
-    assert not is_live_terminal(FakeTty(), LoggingConfig(format="json"))
-    assert not is_live_terminal(io.StringIO(), LoggingConfig(format="text"))
-    stream = FakeTty()
-
-    async def scenario() -> None:
-        progress = TerminalProgress.start(LoggingConfig(format="json"), lambda: {"step": 9}, stream)
+        snapshot["step"] += 1
         progress.tick()
         await progress.stop()
+        return progress
 
-    with caplog.at_level(logging.INFO, logger="peerd.control.terminal"):
-        asyncio.run(scenario())
-    assert stream.getvalue() == ""
-    assert any(r.getMessage().startswith("progress: step 9") for r in caplog.records)
+    try:
+        return asyncio.run(scenario())
+    finally:
+        root.handlers[:] = saved
+
+
+def test_progress_line_redraws_in_place_and_log_records_print_above_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    stream = FakeTty()
+    snapshot = {"step": 3, "loss": 0.25, "samples_per_second": 100.0, "peers_training": 2, "state": "training"}
+    progress = _run_progress(LoggingConfig(format="text"), snapshot, stream)
+    assert progress.live
+    first, last = format_progress({**snapshot, "step": 3}), format_progress(snapshot)
+    assert "step 3" in first and "loss 0.2500" in first and "100.0 samples/s" in first and "2 peers" in first
+    cursor = re.compile(r"\x1b\[\?25[hl]")
+    # rich hides the cursor while live; shown again before the line, so a killed daemon leaves it visible
+    assert cursor.findall(stream.getvalue().split(first)[0])[-1:] in ([], ["\x1b[?25h"])
+    out = cursor.sub("", stream.getvalue())
+    erase = "\r\x1b[2K"
+    # drawn; erased for the record, which ends its own line with the handler's format; redrawn below it;
+    # redrawn in place with the next snapshot; left in the scrollback at stop, on a line of its own.
+    assert out == f"{first}{erase}[peerd.test] a log record\n{first}{erase}{last}{erase}{last}\n"
+
+
+def test_progress_line_is_cut_at_the_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "40")
+    stream = FakeTty()
+    _run_progress(LoggingConfig(format="text"), {"step": 3, "loss": 0.25}, stream)
+    drawn = re.sub(r"\x1b\[\?25[hl]", "", stream.getvalue()).split("\r\x1b[2K")[-1].rstrip("\n")
+    assert drawn.startswith("step 4 | loss 0.2500") and len(drawn) == 40 and drawn.endswith("…")
+
+
+def test_no_progress_line_in_pipes_files_or_json_logs(caplog: pytest.LogCaptureFixture) -> None:
+    assert not is_live_terminal(FakeTty(), LoggingConfig(format="json"))
+    assert not is_live_terminal(io.StringIO(), LoggingConfig(format="text"))
+    for config, stream in [(LoggingConfig(format="text"), io.StringIO()), (LoggingConfig(format="json"), FakeTty())]:
+        with caplog.at_level(logging.INFO, logger="peerd.control.terminal"):
+            progress = _run_progress(config, {"step": 9}, stream)
+        assert not progress.live
+        # only the handler's own lines, the progress among them as records: no escape code, no carriage return
+        assert stream.getvalue() == (f"[peerd.control.terminal] progress: {format_progress({'step': 9})}\n"
+                                     "[peerd.test] a log record\n"
+                                     f"[peerd.control.terminal] progress: {format_progress({'step': 10})}\n")
