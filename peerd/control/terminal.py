@@ -14,13 +14,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, TextIO
-
-from rich.console import Console
-from rich.live import Live
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, TextIO
 
 from peerd.config import LoggingConfig
+
+if TYPE_CHECKING:  # imported when a line goes live: 4 MiB and 45 modules a daemon in a pipe does not need
+    from rich.console import Console
+    from rich.live import Live
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class _AboveLine:
         self._console = console
 
     def write(self, text: str) -> None:
+        from rich.text import Text
+
         # soft_wrap: the terminal wraps a long record, as before; rich would break it at words with newlines
         self._console.print(Text(text), end="", soft_wrap=True)
 
@@ -96,6 +98,9 @@ class TerminalProgress:
         stream = stream if stream is not None else sys.stderr
         display = None
         if is_live_terminal(stream, config):
+            from rich.console import Console
+            from rich.live import Live
+
             # Forced: the decision is is_live_terminal's alone; rich's own (FORCE_COLOR, TTY_INTERACTIVE...)
             # could differ and then draw into a pipe, or draw nothing until the end.
             console = Console(file=stream, force_terminal=True, force_interactive=True)
@@ -143,6 +148,8 @@ class TerminalProgress:
         line = format_progress(training)
         if self._display is not None:
             # cut at the terminal's width: a wrapped line could no longer be redrawn in place
+            from rich.text import Text
+
             display, text = self._display, Text(line, no_wrap=True, overflow="ellipsis")
             _quiet(lambda: display.update(text, refresh=True))
         else:
