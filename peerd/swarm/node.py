@@ -27,9 +27,9 @@ from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
 from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.identity import generate_identity
-from peerd.swarm.process import IsolatedDHT, get_latest_in_child
+from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
-from peerd.swarm.records import PeerRecord, parse_record, record_key, record_keys
+from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator, child_drop_counts
 from peerd.swarm.view import rebootstrap_in_child
@@ -66,8 +66,7 @@ class SwarmNode:
 
     @property
     def records_key(self) -> str:
-        """The key our own record lives under (one of :func:`record_keys`)."""
-        return record_key(self.run_name, self.peer_id)
+        return f"{self.run_name}.peers"
 
     @classmethod
     async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None) -> SwarmNode:
@@ -200,21 +199,10 @@ class SwarmNode:
         """Unexpired ``subkey -> (payload, expiration)`` under ``key`` whose signature, signer and membership
         check out (others are counted and dropped); payloads are otherwise unvalidated peer data."""
         future = self.dht.get(key, latest=True, return_future=True)
-        return self._verified(key, await self._answer(future, key))
-
-    async def read_many(self, keys: list[str]) -> dict[str, dict[str, tuple[object, float]]]:
-        """:meth:`read_entries` for several keys, in one DHT traversal."""
-        future = self.dht.run_coroutine(partial(get_latest_in_child, keys), return_future=True)
-        found = await self._answer(future, f"{len(keys)} keys ({keys[0]} ...)")
-        return {key: self._verified(key, found.get(key)) for key in keys}
-
-    async def _answer(self, future: Any, what: str) -> Any:
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
+            found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
         except TimeoutError as e:
-            raise TransportError(f"reading {what} timed out after {self.config.request_timeout}s") from e
-
-    def _verified(self, key: str, found: Any) -> dict[str, tuple[object, float]]:
+            raise TransportError(f"reading {key} timed out after {self.config.request_timeout}s") from e
         if found is None or not isinstance(found.value, dict):
             return {}
         current = get_dht_time()
@@ -256,18 +244,13 @@ class SwarmNode:
 
     async def read_peers(self) -> list[SeenPeer]:
         """All valid, unexpired records of this run, ours included, sorted by peer id."""
-        peers: dict[str, SeenPeer] = {}
-        for entries in (await self.read_many(record_keys(self.run_name))).values():
-            for subkey, (value, expiration) in entries.items():
-                try:
-                    seen = SeenPeer(parse_record(subkey, value), expiration)
-                except ProtocolViolation as e:
-                    self.drop("malformed", e)
-                    continue
-                # a peer may sign its record into other shards too: it is still one peer, at its newest
-                if subkey not in peers or expiration > peers[subkey].expires_at:
-                    peers[subkey] = seen
-        return [peers[peer] for peer in sorted(peers)]
+        peers = []
+        for subkey, (value, expiration) in (await self.read_entries(self.records_key)).items():
+            try:
+                peers.append(SeenPeer(parse_record(subkey, value), expiration))
+            except ProtocolViolation as e:
+                self.drop("malformed", e)
+        return sorted(peers, key=lambda p: p.record.peer_id)
 
     async def rebootstrap(self, others: Sequence[str] = ()) -> int:
         """Re-dials the initial peers (and ``others``: multiaddrs with /p2p/) and looks up our neighbourhood

@@ -19,10 +19,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from hivemind.dht import DHT, DHTNode
+from hivemind.dht import DHT
 from hivemind.p2p import P2P
 
-__all__ = ["IsolatedDHT", "add_p2pd_flags", "get_latest_in_child"]
+__all__ = ["IsolatedDHT", "add_p2pd_flags"]
 
 
 class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type information
@@ -46,13 +46,6 @@ class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type informat
         _die_with_parent()
         add_p2pd_flags(self.p2pd_flags)
         super().run()
-
-
-async def get_latest_in_child(keys: list[str], _dht: DHT, node: DHTNode) -> dict[str, Any]:
-    """Run in the DHT process (``DHT.run_coroutine``): the latest value of each key (None if absent), in one
-    traversal that asks each node for all of the keys at once (``DHT.get`` has no form for several keys)."""
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    return {key: found.get(key) for key in keys}
 
 
 def add_p2pd_flags(flags: Mapping[str, int | str]) -> None:

@@ -1,11 +1,7 @@
 """The peer record every peer publishes in the DHT, and its strict validation on the reading side.
 
-Records are stored as plain mappings (hivemind serializes DHT values with msgpack) with the peer id as subkey,
-under one of ``RECORD_SHARDS`` keys ``<run_name>.peers.<n>``, n picked by the peer id's hash. One key for all
-would be one lookup for the whole swarm, but hivemind moves a dictionary key whole: every refresh of one
-record fetched all N records from each node its lookup asked (N squared bytes across the swarm). In shards a
-refresh moves N / RECORD_SHARDS records, and one batched lookup (``DHTNode.get_many``) still reads them all.
-The schema is
+Records are stored as plain mappings (hivemind serializes DHT values with msgpack) under the key
+``<run_name>.peers`` with the peer id as subkey, so one lookup returns the whole swarm. The schema is
 ``peerd.v1.PeerRecord``; ``protocols/peer_record.v1.schema.json`` is generated from the model below
 (``python scripts/gen_schemas.py``) and a test keeps the two identical.
 
@@ -16,7 +12,6 @@ minute per peer) before dropping the record.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from enum import Enum
 from typing import Annotated, Any
@@ -30,10 +25,6 @@ SCHEMA_ID = "peerd.v1.PeerRecord"
 PROTOCOL_VERSION = 1
 MAX_MADDRS = 32
 MAX_EXPERTS = 4096
-
-# Part of the protocol: every peer of a swarm must spread records alike, so changing it is a new protocol version.
-# 8 keeps a refresh at 8 records for 64 peers and ~125 (the size one key held healthily) for 1,000.
-RECORD_SHARDS = 8
 
 PeerIdStr = Annotated[str, Field(pattern=r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")]
 
@@ -102,17 +93,6 @@ class PeerRecord(BaseModel):
         return max(0.0, self.updated_at - self.started_at)
 
 
-def record_keys(run_name: str) -> list[str]:
-    """Every DHT key a run's peer records live under."""
-    return [f"{run_name}.peers.{n}" for n in range(RECORD_SHARDS)]
-
-
-def record_key(run_name: str, peer_id: str) -> str:
-    """The key ``peer_id`` publishes its record under."""
-    shard = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % RECORD_SHARDS
-    return f"{run_name}.peers.{shard}"
-
-
 def parse_record(subkey: object, value: object) -> PeerRecord:
     """Validates one DHT entry; raises ProtocolViolation naming the subkey for anything malformed or spoofed."""
     peer = str(subkey)[:128]
@@ -133,8 +113,7 @@ def json_schema() -> dict[str, Any]:
     schema = PeerRecord.model_json_schema()
     schema["$id"] = SCHEMA_ID
     schema["description"] = (
-        f"{PeerRecord.__doc__} Stored under DHT key '<run_name>.peers.<n>' (n: the first 4 bytes of "
-        f"sha256(peer_id), big-endian, modulo {RECORD_SHARDS}), subkey = peer_id. "
+        f"{PeerRecord.__doc__} Stored under DHT key '<run_name>.peers', subkey = peer_id. "
         f"Protocol version {PROTOCOL_VERSION}. Unknown fields are ignored by readers."
     )
     return schema

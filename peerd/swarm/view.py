@@ -1,7 +1,7 @@
 """Is this peer's view of the swarm whole? Split-brain detection at run time, and the re-bootstrap that heals it.
 
 hivemind's users have seen peers with the same initial peers form separate DHTs (hivemind#624: four peers, two
-DHTs of two), and a peer whose routing table misses the nodes that hold ``<run>.peers.<n>`` reads a partial set of
+DHTs of two), and a peer whose routing table misses the nodes that hold ``<run>.peers`` reads a partial set of
 records. Neither fails anything: the peer just trains with fewer peers. So every few seconds the daemon
 reads the records and :class:`ViewWatch` compares what it sees with two kinds of evidence:
 

@@ -47,7 +47,7 @@ async def scenario() -> tuple[int, int, int, bool]:
         await a.store(a.records_key, a.peer_id, {"peer_id": a.peer_id, "mark": 1}, now() + 120)
 
         async def c_reads_a() -> bool:
-            return a.peer_id in await c.read_subkeys(a.records_key)
+            return a.peer_id in await c.read_subkeys(c.records_key)
 
         split = not await c_reads_a()
         c_answered = await c.rebootstrap([b.visible_maddrs()[0]])  # C has no initial peers of its own
