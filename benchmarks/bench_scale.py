@@ -4,16 +4,18 @@
 ``--bootstraps`` start first (peer 0 alone, the others through it); the rest join through all of them, started
 ``--batch`` at a time side by side (each batch once the previous one printed its ready lines: 64 imports of torch
 at once starve two cores past p2pd's start-up timeout). Then every peer's ``peerd status`` is polled until each
-lists all the others (or ``--timeout`` after the last ready line).
+lists all the others (or ``--timeout`` after the last ready line), one sweep every ``--poll`` seconds at most.
 
 Printed per run: seconds from the first start to the last ready line; from the last ready line to every peer
-listing every other; records seen per peer (min/median); the number of distinct views and of DHTs (connected
-groups of the "lists" relation: more than one is a split brain); peers that flagged a partial view or
+listing every other; records seen per peer (min/median, and statuses whose DHT read failed, counted apart); the
+number of distinct views and of DHTs (connected groups of the "lists" relation: more than one is a split
+brain); peers that flagged a partial view or
 re-bootstrapped (``view`` in status); DHT read latency (each daemon times its reads of all records: the median
 over peers of their p50, and the median and max of their p99); RSS, PSS and USS of each peer's process tree
 (median, max, and PSS summed over all peers); open file descriptors per peer; loopback traffic per peer over
 ``--idle-window`` seconds once views are full (record refreshes, view checks, DHT upkeep, and this script's
-status polls, which read the records too); the machine's load.
+status polls, which read the records too), and the cores all daemons, DHT processes and p2pds used in it; the
+machine's load.
 
 ``--mode train`` (configs/synthetic.yaml: groups of 4, at least 2): once the views are full the trainers train
 for ``--train-seconds``; printed: rounds averaged and solo (success rate), group sizes, steps.
@@ -39,6 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import psutil
 from _memory import process_tree, tree_memory
 
 from peerd.errors import PeerdError
@@ -105,6 +108,21 @@ def training_totals(found: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "group_sizes": sizes, "steps": sorted(t.get("step", 0) for t in trainers)}
 
 
+def cpu_by_kind(peers: list[PeerProcess]) -> Counter[str]:
+    """CPU seconds used so far by every peer's daemon, DHT process and p2pd, summed per kind."""
+    used: Counter[str] = Counter()
+    for peer in peers:
+        for pid in process_tree(peer.proc.pid):
+            try:
+                process = psutil.Process(pid)
+                times = process.cpu_times()
+                kind = "daemon" if pid == peer.proc.pid else "p2pd" if process.name() == "p2pd" else "DHT"
+            except psutil.NoSuchProcess:
+                continue
+            used[kind] += times.user + times.system
+    return used
+
+
 def dht_groups(views: dict[str, set[str]]) -> list[int]:
     """Sizes of the connected groups of peers, linking two peers when either lists the other."""
     parent = {peer: peer for peer in views}
@@ -138,12 +156,16 @@ def run_once(args: argparse.Namespace, n: int, log_dir: Path) -> dict[str, Any]:
             for peer_id, status in found.items():
                 if {entry["peer_id"] for entry in status["peers"]} | {peer_id} >= everyone:
                     full_at[peer_id] = status["fetched_at"]
-            time.sleep(max(0.0, 0.5 - (time.monotonic() - sweep)))  # polling interval of the sweep
+            # Each status reads every record from the DHT, as much work as a view check: sweeping back to back
+            # (16 at a time) read as often as the daemons' own checks did and doubled the load being measured.
+            time.sleep(max(0.0, args.poll - (time.monotonic() - sweep)))  # polling interval of the sweep
         result["full_view_after_last_ready"] = max(full_at.values()) - last_ready if len(full_at) == n else None
         result["full_views"] = len(full_at)
         found = statuses(pool, peers)
-        views = {pid: {e["peer_id"] for e in s["peers"]} | {pid} for pid, s in found.items()}
-        result["seen"] = sorted(len(v) for v in views.values())
+        # a status whose DHT read failed lists nobody: a failed read, not a view of one
+        result["read_errors"] = sum(1 for s in found.values() if s.get("dht_error"))
+        views = {pid: {e["peer_id"] for e in s["peers"]} | {pid} for pid, s in found.items() if not s.get("dht_error")}
+        result["seen"] = sorted(len(v) for v in views.values()) or [0]
         result["distinct_views"] = len({frozenset(v) for v in views.values()})
         result["dht_groups"] = dht_groups(views)
         view_status = [s.get("view") or {} for s in found.values()]
@@ -155,9 +177,11 @@ def run_once(args: argparse.Namespace, n: int, log_dir: Path) -> dict[str, Any]:
             else None
         result["load_full_view"] = load()
         # steady-state traffic: record refreshes, view checks, DHT upkeep (and this script's status polls)
-        sent, started = loopback_bytes(), time.monotonic()
+        sent, started, cpu = loopback_bytes(), time.monotonic(), cpu_by_kind(peers)
         time.sleep(args.idle_window)  # the measurement window
-        result["lo_bytes_per_s"] = (loopback_bytes() - sent) / (time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        result["lo_bytes_per_s"] = (loopback_bytes() - sent) / elapsed
+        result["cores_by_kind"] = {kind: used / elapsed for kind, used in (cpu_by_kind(peers) - cpu).items()}
         if args.mode == "train":
             before = training_totals(found)  # rounds before the full view include peer 0's alone at start
             time.sleep(args.train_seconds)  # the training window being measured, not synchronisation
@@ -189,7 +213,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         rows.append([
             str(r["peers"]), f"{r['start_to_last_ready']:.0f}",
             f"{full:.1f}" if full is not None else f"no ({r['full_views']}/{r['peers']})",
-            f"{r['seen'][0]}/{statistics.median(r['seen']):g}", str(r["distinct_views"]),
+            f"{r['seen'][0]}/{statistics.median(r['seen']):g}/{r['read_errors']}", str(r["distinct_views"]),
             "+".join(map(str, r["dht_groups"])), f"{r['flagged']}/{r['rebootstraps']}",
             f"{r['read_p50'] * 1e3:.0f}" if r["read_p50"] is not None else "-",
             f"{p99[0] * 1e3:.0f}/{p99[1] * 1e3:.0f}" if p99 else "-",
@@ -198,14 +222,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{statistics.median(m.uss for m in mem):.0f}", f"{sum(m.pss for m in mem) / 1024:.1f}",
             f"{r['fds'][len(r['fds']) // 2]}/{r['fds'][-1]}" if r["fds"] else "-",
             f"{r['lo_bytes_per_s'] / r['peers'] / 1024:.1f}",
+            " ".join(f"{kind} {r['cores_by_kind'].get(kind, 0.0):.2f}" for kind in ("daemon", "DHT", "p2pd")),
             f"{r['load_start']} | {r['load_full_view']} | {r['load_end']}",
         ])
     print(f"\nbench_scale {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, mode {args.mode}, "
           f"config {args.config.name}, bootstraps {args.bootstraps}, batch {args.batch}, overrides {args.override}")
-    print(format_table(["peers", "start->last ready s", "full view after last ready s", "seen min/med",
+    print(format_table(["peers", "start->last ready s", "full view after last ready s", "seen min/med/read errors",
                         "views", "DHTs", "flagged/rebootstraps", "read p50 ms", "read p99 med/max ms",
                         "RSS med/max MiB", "PSS med/max MiB", "USS med MiB", "PSS sum GiB", "fds med/max",
-                        "lo KiB/s per peer", "load 1/5/15: start | full view | end"], rows))
+                        "lo KiB/s per peer", "cores used (all peers)", "load 1/5/15: start | full view | end"], rows))
     if args.mode == "train":
         train_rows = []
         for r in results:
@@ -230,6 +255,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--train-seconds", type=float, default=90.0)
+    parser.add_argument("--poll", type=float, default=5.0, help="seconds between status sweeps (at least)")
     parser.add_argument("--idle-window", type=float, default=20.0, help="seconds of traffic measured")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()

@@ -30,8 +30,8 @@ from peerd.control.terminal import TerminalProgress
 from peerd.errors import DaemonError, PeerdError
 from peerd.swarm.clock import ttl_margin_problems
 from peerd.swarm.node import SwarmNode, now
+from peerd.swarm.presence import Presence
 from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
-from peerd.swarm.view import ViewWatch
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, membership_from_config
 
@@ -49,7 +49,7 @@ class Daemon:
         self.started_at = now()
         self.stop_event = asyncio.Event()
         self.swarm: SwarmNode | None = None
-        self.view: ViewWatch | None = None
+        self.presence: Presence | None = None
         self.control: ControlServer | None = None
         self.trainer: CollaborativeTrainer | None = None
         self._trainer_task: asyncio.Task[None] | None = None
@@ -59,7 +59,6 @@ class Daemon:
         self.membership = Membership()
         self.experts: ExpertServer | None = None
         self.expert_client: ExpertClient | None = None
-        self._announce_now = asyncio.Event()
         self._progress: TerminalProgress | None = None
         self._stops = contextlib.AsyncExitStack()  # the undo of every start step, run in reverse
 
@@ -81,8 +80,7 @@ class Daemon:
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
-        self.view = ViewWatch(self.config.swarm.initial_peers, self.swarm.peer_id,
-                              self.config.swarm.record_refresh_period)
+        self.presence = Presence(self.swarm, self.config.swarm, self.record)
         await self._refresh_reachability()
         if self.config.experts is not None:
             await self._start_experts()
@@ -97,10 +95,7 @@ class Daemon:
             self._on_stop("training loop", self._stop_training_loop, self.config.shutdown_timeout / 3)
             self._progress = TerminalProgress.start(self.config.logging, self.training_snapshot)
             self._on_stop("progress display", self._progress.stop)
-        try:
-            await self.swarm.publish(self.record())
-        except PeerdError as e:  # a busy swarm (64 peers on 2 cores) can time a store out: retried every tick
-            logger.warning("Could not publish our first peer record (retrying each refresh): %s", e)
+        await self.presence.publish()
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
         self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
 
@@ -187,15 +182,10 @@ class Daemon:
         self._stops.push_async_callback(step)
 
     async def _announce_leaving(self) -> None:
-        assert self.swarm is not None
-        if not self.swarm.alive():
-            return
-        self.state = PeerState.LEAVING
-        try:
-            await self.swarm.publish_leaving(self.record())
-            logger.info("Announced leaving to the swarm")
-        except PeerdError as e:
-            logger.warning("Could not announce leaving: %s", e)
+        assert self.swarm is not None and self.presence is not None
+        if self.swarm.alive():
+            self.state = PeerState.LEAVING
+            await self.presence.leave()
 
     async def _stop_training_loop(self) -> None:
         task, self._trainer_task = self._trainer_task, None
@@ -223,16 +213,17 @@ class Daemon:
             await self.shutdown()
 
     async def _supervise(self) -> None:
-        assert self.swarm is not None
+        assert self.swarm is not None and self.presence is not None
+        republish = self.presence.republish
         period = self.config.swarm.record_refresh_period
         while not self.stop_event.is_set():
             # jitter keeps a swarm started at once from refreshing in lockstep
             timeout = period * random.uniform(0.8, 1.0)
-            waiters = {asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(self._announce_now.wait())}
+            waiters = {asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(republish.wait())}
             await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for waiter in waiters:
                 waiter.cancel()
-            self._announce_now.clear()
+            republish.clear()
             if self.stop_event.is_set():
                 break
             if not self.swarm.alive():
@@ -242,32 +233,8 @@ class Daemon:
                 if error is not None:
                     raise DaemonError(f"training stopped with an error: {error!r}") from error
             await self._refresh_reachability()
-            try:
-                await self.swarm.publish(self.record())
-            except PeerdError as e:
-                logger.warning("Could not refresh our peer record: %s", e)
-            if self.view is not None and self.view.due(time.monotonic()):
-                await self._check_view()
+            await self.presence.refresh()
 
-    async def _check_view(self) -> None:
-        """Split-brain detection (``peerd.swarm.view``): reads every record, compares the view with what the
-        others report and with the initial peers, and re-bootstraps when it stays partial."""
-        assert self.swarm is not None and self.view is not None
-        started = time.monotonic()
-        try:
-            seen = await self.swarm.read_peers()
-        except PeerdError as e:
-            live = []
-            rebootstrap = self.view.failed_read(str(e), time.monotonic())
-        else:
-            self.view.read_seconds.append(time.monotonic() - started)
-            live = [peer.record for peer in seen if peer.record.state is not PeerState.LEAVING]
-            rebootstrap = self.view.observe([r.peer_id for r in live], {r.peer_id: r.peers_seen for r in live},
-                                            time.monotonic())
-        if rebootstrap:
-            reporter = [r.maddrs[0] for r in live if r.peer_id == self.view.verdict.reporter and r.maddrs]
-            self.view.rebootstrapped(await self.swarm.rebootstrap(reporter))
-            self._announce_now.set()  # store our record where the refreshed routing table says it belongs
     async def shutdown(self) -> None:
         """Stops what :meth:`start` started, in reverse order: leaving announcement, progress display,
         training loop, control endpoint, trainer, expert client, expert server, P2P handle, swarm."""
@@ -296,7 +263,7 @@ class Daemon:
             capabilities=Capabilities(throughput=throughput, experts=self.experts.uids if self.experts else []),
             started_at=self.started_at,
             updated_at=max(now(), self.started_at),
-            peers_seen=self.view.seen_count if self.view is not None else None,
+            peers_seen=self.presence.view.seen_count if self.presence is not None else None,
         )
 
     def _roles(self) -> list[str]:
@@ -333,34 +300,20 @@ class Daemon:
         }
 
     async def status(self) -> dict[str, Any]:
-        assert self.swarm is not None
-        peers: list[dict[str, Any]] = []
-        error = None
-        try:
-            seen = await self.swarm.read_peers()
-        except PeerdError as e:
-            seen, error = [], str(e)
-        current = now()
-        for peer in seen:
-            if peer.record.peer_id == self.swarm.peer_id:
-                continue
-            entry = peer.record.to_wire()
-            entry["expires_in"] = round(peer.expires_at - current, 2)
-            entry["age"] = round(current - peer.record.updated_at, 2)
-            entry["connection"] = self.swarm.reach.via(peer.record.peer_id)
-            peers.append(entry)
+        assert self.swarm is not None and self.presence is not None
+        peers, error = await self.presence.peers()
         return {
             "peer_id": self.swarm.peer_id,
             "run_name": self.config.run_name,
             "software_version": __version__,
             "state": self.state.value,
             "maddrs": self.swarm.visible_maddrs(),
-            "uptime": round(current - self.started_at, 2),
+            "uptime": round(now() - self.started_at, 2),
             "roles": self._roles(),
             "pid": os.getpid(),
             "peers": peers,
             "dht_error": error,
-            "view": self.view.status() if self.view is not None else None,
+            "view": self.presence.view.status(),
             "records_dropped": await self.swarm.dropped_records(),
             "training": self.trainer.report.as_dict() if self.trainer is not None else None,
             "experts": self.experts_snapshot(),

@@ -3,7 +3,7 @@
 Three nodes in-process: A starts a swarm, B joins through A, C starts alone (a DHT of its own: a split brain
 made on purpose). C's re-bootstrap towards B (as the daemon does towards the peer reporting the largest view)
 joins C to A and B's DHT: its lookup of the records key then finds what A stored. B's re-bootstrap reports its
-initial peer A answering, and nobody once A is gone.
+initial peer A answering, and nobody once A is gone. The nodes run with hivemind's caching off (node.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 import pytest
+from hivemind.dht import DHTNode
 
 from peerd.config import SwarmConfig
 from peerd.swarm.node import SwarmNode, now
@@ -39,9 +40,16 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float) -> No
             raise TimeoutError("condition did not hold in time")
 
 
+async def dht_caching(_dht: object, node: DHTNode) -> tuple[bool, int, float, bool]:
+    """Run in the DHT process: the caching options hivemind's node got."""
+    return node.cache_locally, node.cache_nearest, node.cache_refresh_before_expiry, node.cache_on_store
+
+
 async def scenario() -> tuple[int, int, int, bool]:
     async with AsyncExitStack() as stack:
         a = await started(stack)
+        caching = await asyncio.wrap_future(a.dht.run_coroutine(dht_caching, return_future=True))
+        assert caching == (False, 0, 0, False), caching
         b = await started(stack, a.visible_maddrs()[0])
         c = await started(stack)
         await a.store(a.records_key, a.peer_id, {"peer_id": a.peer_id, "mark": 1}, now() + 120)
