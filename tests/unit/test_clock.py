@@ -69,6 +69,25 @@ def test_bootstrap_turns_the_refusal_into_a_clock_error_without_retrying(monkeyp
         asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0))
 
 
+def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    # hivemind raises a bare RuntimeError when no initial peer answers its bootstrap ping
+    attempts = []
+
+    def busy_then_ready(*args: Any) -> str:
+        attempts.append(args)
+        if len(attempts) < 3:
+            raise RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping.")
+        return "dht"
+
+    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(busy_then_ready))
+    config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
+    assert asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0)) == "dht"
+    attempts.clear()
+    with pytest.raises(BootstrapError, match="after 2 attempts.*responded to a ping"):
+        asyncio.run(SwarmNode._start_with_retries(config.model_copy(update={"bootstrap_attempts": 2}), Path("key"),
+                                                  True, Membership(), 0))
+
+
 def test_ttls_shorter_than_their_refresh_plus_the_admitted_offset_are_named() -> None:
     tight = load_config(overrides={"swarm": {"record_ttl": 4, "record_refresh_period": 2},
                                    "training": {"enabled": True, "progress_ttl": 2, "progress_period": 0.5}})
