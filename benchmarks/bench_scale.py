@@ -167,7 +167,8 @@ def run_once(args: argparse.Namespace, n: int, log_dir: Path) -> dict[str, Any]:
         views = {pid: {e["peer_id"] for e in s["peers"]} | {pid} for pid, s in found.items() if not s.get("dht_error")}
         result["seen"] = sorted(len(v) for v in views.values()) or [0]
         result["distinct_views"] = len({frozenset(v) for v in views.values()})
-        result["dht_groups"] = dht_groups(views)
+        # a peer whose read failed is still in the DHT the others' listings put it in
+        result["dht_groups"] = dht_groups({pid: {pid} for pid in found} | views)
         view_status = [s.get("view") or {} for s in found.values()]
         result["flagged"] = sum(1 for v in view_status if v.get("partial"))
         result["rebootstraps"] = sum(v.get("rebootstraps", 0) for v in view_status)
