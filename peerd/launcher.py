@@ -21,7 +21,7 @@ from typing import Any, Self, TypeVar
 
 import psutil
 
-from peerd.control.client import fetch_status
+from peerd.control.client import fetch_json, fetch_status
 from peerd.errors import DaemonError, PeerdError
 
 T = TypeVar("T")
@@ -112,6 +112,10 @@ class PeerProcess:
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
         return fetch_status(self.control, timeout=timeout)
+
+    def history(self, points: int = 1000, timeout: float = 5.0) -> dict[str, Any]:
+        """The training curves and last rounds (``/history``): ``loss``, ``validation_loss``, ``rounds``."""
+        return dict(fetch_json(self.control, f"/history?points={points}", timeout)["training"] or {})
 
     def seen_peer_ids(self) -> set[str]:
         try:

@@ -21,7 +21,12 @@ def normalize_url(control: str) -> str:
 
 
 def fetch_status(control: str, timeout: float = 5.0) -> dict[str, Any]:
-    url = normalize_url(control) + "/status"
+    return fetch_json(control, "/status", timeout)
+
+
+def fetch_json(control: str, path: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The JSON object the daemon at ``control`` serves at ``path`` (``/status``, ``/history?points=N``)."""
+    url = normalize_url(control) + path
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             data = json.load(response)

@@ -65,13 +65,13 @@ class _AboveLine:
     writes it, is printed above the line, in the handler's own format."""
 
     def __init__(self, console: Console) -> None:
-        self._console = console
-
-    def write(self, text: str) -> None:
         from rich.text import Text
 
+        self._console, self._text = console, Text
+
+    def write(self, text: str) -> None:
         # soft_wrap: the terminal wraps a long record, as before; rich would break it at words with newlines
-        self._console.print(Text(text), end="", soft_wrap=True)
+        self._console.print(self._text(text), end="", soft_wrap=True)
 
     def flush(self) -> None:
         pass

@@ -4,8 +4,6 @@ weighted mean exact up to the one rounding of the sum, which is commutative for 
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,8 +75,7 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 
 def rounds(peer: PeerProcess) -> list[dict[str, Any]]:
     """The peer's last averaging rounds (``/history``), oldest first."""
-    with urllib.request.urlopen(f"{peer.control}/history?points=1", timeout=5) as response:
-        return list(json.load(response)["training"]["rounds"])
+    return list(peer.history(points=1)["rounds"])
 
 
 @pytest.mark.timeout(90)

@@ -5,9 +5,7 @@ round, no expert call, no state, every attempt refused and logged with their pee
 from __future__ import annotations
 
 import asyncio
-import json
 import math
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,8 +45,7 @@ def status(peer: PeerProcess) -> dict[str, Any]:
 
 def validations(peer: PeerProcess) -> list[tuple[int, float]]:
     """The peer's validation losses (``/history``) as (step, loss), oldest first."""
-    with urllib.request.urlopen(f"{peer.control}/history?points=1000", timeout=10) as response:
-        return [(step, loss) for _, step, loss in json.load(response)["training"]["validation_loss"]]
+    return [(step, loss) for _, step, loss in peer.history(timeout=10.0)["validation_loss"]]
 
 
 def good_calls(peer: PeerProcess) -> int:
