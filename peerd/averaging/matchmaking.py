@@ -47,7 +47,10 @@ from peerd.swarm.records import PeerIdStr
 logger = logging.getLogger(__name__)
 
 GROUPS_PREFIX = "groups:"
-POLL_INTERVAL = 0.1
+POLL_INTERVAL = 0.1  # the first poll's delay; each next one is POLL_BACKOFF times longer, up to window/5
+POLL_BACKOFF = 1.5
+POLLS_PER_WINDOW = 5
+WINDOW_PER_LATENCY = 4.0  # a follower's registration lands ~3 DHT requests after the leader's (docs/scaling.md)
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 
 
@@ -77,15 +80,20 @@ class Matchmaker:
     async def form_group(self, key: str, expected_peers: int, window: float | None = None) -> Group:
         """Registers for round ``key`` and returns this peer's group; ``expected_peers`` lets the leader
         close early once that many peers (this one included) have registered. ``window``: how long the leader
-        waits for them (default ``averaging.matchmaking_window``); every peer of a round must pass the same."""
+        waits for them at least (default ``averaging.matchmaking_window``); every peer of a round must pass the
+        same."""
         me = self.swarm.peer_id
-        window = self.config.matchmaking_window if window is None else window
+        base = self.config.matchmaking_window if window is None else window
+        limit = max(base, self.config.max_matchmaking_window)
         registered_at, started = self.clock(), time.monotonic()
         # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
-        lifetime = window + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET
+        lifetime = limit + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET
         await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
+        window = self.window(base)  # after our own store, which the DHT's latency counts
         target = max(2, min(expected_peers, self.config.target_group_size * 64))
-        deadline = started + window + self.config.join_timeout + 2.0
+        # the leader may have waited up to `limit`, measured from a registration before ours
+        deadline = started + limit + self.config.join_timeout + 2.0
+        poll = POLL_INTERVAL
         while True:
             entries, decisions = await self._read(key)
             entries.setdefault(me, registered_at)  # our own store may not be readable yet
@@ -101,14 +109,25 @@ class Matchmaker:
             if time.monotonic() > deadline:
                 raise GroupFailed(f"no group decision for {key} within {deadline - started:.1f}s "
                                   f"(leader {leader} did not publish one)")
-            await asyncio.sleep(POLL_INTERVAL)  # polling the DHT, which has no change notifications
+            # polling the DHT, which has no change notifications; every poll of every waiting peer is a lookup
+            # that returns all registrations, so polls thin out while a round waits
+            await asyncio.sleep(poll)
+            poll = min(poll * POLL_BACKOFF, max(POLL_INTERVAL, window / POLLS_PER_WINDOW))
         for members in published.groups:
             if me in members:
                 if len(members) < self.config.min_group_size:
                     raise GroupFailed(f"group for {key} has {len(members)} member(s), below min_group_size")
                 ordered = tuple(members)
                 return Group(group_id(key, ordered), ordered)
-        raise GroupFailed(f"{key}: registered too late, the leader's groups do not include this peer")
+        raise GroupFailed(f"{key}: registered too late, the leader's groups do not include this peer "
+                          f"(its window was {window:.1f}s here)")
+
+    def window(self, base: float) -> float:
+        """How long a leader waits for registrations: ``base``, or longer while this peer's DHT requests are
+        slow (a registration takes a store, and the peers that learn of the round from progress records a read
+        and a store more, to arrive), up to ``averaging.max_matchmaking_window``."""
+        slow = WINDOW_PER_LATENCY * self.swarm.latency.median()
+        return min(max(base, self.config.max_matchmaking_window), max(base, slow))
 
     def _split(self, me: str, entries: dict[str, float]) -> _Groups:
         peers = sorted(entries, key=lambda peer: (entries[peer], peer))

@@ -39,7 +39,14 @@ class AveragingConfig(Section):
     target_group_size: int = Field(default=4, ge=2, le=64, description="Members per averaging group, at most.")
     min_group_size: int = Field(default=2, ge=2, description="Fewer ready peers than this: step alone.")
     matchmaking_window: float = Field(
-        default=1.5, gt=0, description="Seconds the first ready peer waits for others before the group is fixed."
+        default=1.5, gt=0, description="Seconds the first ready peer waits for others before the group is fixed "
+        "(at least: it waits longer while the DHT answers slowly, up to max_matchmaking_window).",
+    )
+    max_matchmaking_window: float = Field(
+        default=10.0, gt=0,
+        description="Seconds the first ready peer waits at most when the DHT answers slowly: the window grows to "
+        "4 times the median time of this peer's recent DHT requests, so registrations that take that long to "
+        "arrive still make the round. Peers give up waiting for a group decision after this plus join_timeout.",
     )
     round_timeout: float = Field(
         default=20.0, gt=0, description="Seconds a reducer waits for contributions and a sender for its result."
@@ -88,6 +95,11 @@ class AveragingConfig(Section):
             )
         if self.join_timeout >= self.round_timeout:
             raise ValueError("averaging.join_timeout must be below averaging.round_timeout: lower join_timeout")
+        if self.max_matchmaking_window < self.matchmaking_window:
+            raise ValueError(
+                f"averaging.max_matchmaking_window ({self.max_matchmaking_window}) is below "
+                f"averaging.matchmaking_window ({self.matchmaking_window}): raise max_matchmaking_window"
+            )
         return self
 
 

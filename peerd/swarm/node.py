@@ -27,6 +27,7 @@ from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
 from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.identity import generate_identity
+from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
 from peerd.swarm.records import PeerRecord, parse_record
@@ -71,6 +72,7 @@ class SwarmNode:
         self._ephemeral_dir = ephemeral_dir
         self._last_expiration = 0.0
         self._dropped_logged_at: dict[str, float] = {}
+        self.latency = LatencyWindow()  # of stores and reads: matchmaking sizes its window by it
 
     @property
     def records_key(self) -> str:
@@ -199,7 +201,8 @@ class SwarmNode:
         value = self.signer.envelope(key, subkey, payload, expiration)
         future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         try:
-            ok = bool(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
+            with self.latency.timing():
+                ok = bool(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
         except TimeoutError as e:
             raise TransportError(f"storing {key} timed out after {self.config.request_timeout}s") from e
         if not ok:
@@ -211,7 +214,8 @@ class SwarmNode:
         check out (others are counted and dropped); payloads are otherwise unvalidated peer data."""
         future = self.dht.get(key, latest=True, return_future=True)
         try:
-            found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
+            with self.latency.timing():
+                found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
         except TimeoutError as e:
             raise TransportError(f"reading {key} timed out after {self.config.request_timeout}s") from e
         if found is None or not isinstance(found.value, dict):

@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import Iterator
 
+import torch
+
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import Matchmaker
@@ -251,29 +253,11 @@ class CollaborativeTrainer:
             await self.rounds.end_phase(expected)
             return
         self.report.state = "averaging"
-        await self.publish()  # others see at once that the batch is complete and join the round
-        weight = float(self.samples)
-        local = await asyncio.to_thread(self.local.flat_mean_grad, weight)
-        if not all_finite([local]):
-            logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
-                         "(lower training.lr?)", self.step)
-            self.local.drop_gradients()
-            self.samples = 0
+        # Others see at once that the batch is complete and join the round. Published alongside our own
+        # registration rather than before it: on a slow DHT they hear of the round one request sooner.
+        _, averaged = await asyncio.gather(self.publish(), self._averaged_gradients(expected))
+        if averaged is None:
             return
-        key = f"{self.prefix}.grad.{self.step}"
-        try:
-            if expected < 2:
-                raise GroupFailed("no other peer is at this step")
-            group = await self.ordered(await self.matchmaker.form_group(key, expected))
-            averaged, round_report = await self.reducer.all_reduce(
-                group, local, weight, self.local.residual, average_residual=self.local.average_residual,
-                out=self.local.averaged,
-            )
-            self.report.record_round(round_report, samples=int(weight))
-        except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
-            logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
-            averaged = local
-            self.report.record_solo(str(e), expected - 1)
         async with self.step_lock:
             refused = await asyncio.to_thread(self.local.apply, averaged)
             if refused is not None:
@@ -290,6 +274,33 @@ class CollaborativeTrainer:
             await self.validate()
         if self.checkpointer is not None and self.step % self.config.checkpoint.every_steps == 0:
             await self.checkpoint()
+
+    async def _averaged_gradients(self, expected: int) -> torch.Tensor | None:
+        """This step's gradients averaged with a group, or our own if no group formed; None (and dropped) if
+        they hold NaN/Inf."""
+        weight = float(self.samples)
+        local = await asyncio.to_thread(self.local.flat_mean_grad, weight)
+        if not all_finite([local]):
+            logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
+                         "(lower training.lr?)", self.step)
+            self.local.drop_gradients()
+            self.samples = 0
+            return None
+        key = f"{self.prefix}.grad.{self.step}"
+        try:
+            if expected < 2:
+                raise GroupFailed("no other peer is at this step")
+            group = await self.ordered(await self.matchmaker.form_group(key, expected))
+            averaged, round_report = await self.reducer.all_reduce(
+                group, local, weight, self.local.residual, average_residual=self.local.average_residual,
+                out=self.local.averaged,
+            )
+            self.report.record_round(round_report, samples=int(weight))
+            return averaged
+        except PeerdError as e:  # no group, or the DHT did not answer in time: this step goes alone
+            logger.log(logging.DEBUG if expected < 2 else logging.INFO, "Step %d without averaging: %s", self.step, e)
+            self.report.record_solo(str(e), expected - 1)
+            return local
 
     async def checkpoint(self) -> None:
         assert self.checkpointer is not None

@@ -13,19 +13,23 @@ from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import GROUPS_PREFIX, Matchmaker
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, ProtocolViolation
+from peerd.swarm.latency import LatencyWindow
 
 pytestmark = pytest.mark.timeout(60)
 
 KEY = "run.abc123.grad.7"
 PEERS = [f"Qm{letter * 44}" for letter in "ABCDEFGH"]
-CONFIG = AveragingConfig(matchmaking_window=0.6, join_timeout=1.5, round_timeout=5.0, target_group_size=4)
+CONFIG = AveragingConfig(matchmaking_window=0.6, max_matchmaking_window=0.6, join_timeout=1.5, round_timeout=5.0,
+                         target_group_size=4)
 
 
 class _DHT:
-    """One key's subkeys, each readable ``latency`` seconds after it was stored (as a DHT store propagates)."""
+    """One key's subkeys, each readable ``latency`` seconds after it was stored (as a DHT store propagates);
+    a store returns after ``store_seconds``, as a lookup and a store take on a busy DHT."""
 
-    def __init__(self, latency: float = 0.05) -> None:
+    def __init__(self, latency: float = 0.05, store_seconds: float = 0.0) -> None:
         self.latency = latency
+        self.store_seconds = store_seconds
         self.values: dict[str, tuple[float, dict[str, Any]]] = {}
 
 
@@ -35,9 +39,12 @@ class _Swarm:
     def __init__(self, peer_id: str, dht: _DHT) -> None:
         self.peer_id = peer_id
         self.dht = dht
+        self.latency = LatencyWindow()
 
     async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
-        self.dht.values[subkey] = (time.monotonic() + self.dht.latency, value)
+        with self.latency.timing():
+            await asyncio.sleep(self.dht.store_seconds)
+            self.dht.values[subkey] = (time.monotonic() + self.dht.latency, value)
         return True
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
@@ -107,3 +114,42 @@ def test_of_two_racing_decisions_every_reader_takes_the_earliest_registered_lead
     dht.values[GROUPS_PREFIX + PEERS[1]] = (0.0, {"peer_id": PEERS[1], "groups": [sorted(PEERS[:3])]})
     group = asyncio.run(Matchmaker(_Swarm(PEERS[2], dht), CONFIG).form_group(KEY, 3))  # type: ignore[arg-type]
     assert set(group.members) == set(PEERS[:3])  # PEERS[1] registered earliest (on its clock), so its decision
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["window grows with latency", "fixed window"])
+def test_on_a_slow_dht_the_window_grows_so_a_follower_that_learned_late_still_makes_the_round(
+    adaptive: bool,
+) -> None:
+    # every store takes 0.5 s; the follower learns of the round 0.8 s after the leader (a progress read and a
+    # store later), so its registration lands 0.8 s after the leader's, past a 0.6 s window
+    config = AveragingConfig(matchmaking_window=0.6, max_matchmaking_window=5.0 if adaptive else 0.6,
+                             join_timeout=1.5, round_timeout=5.0, target_group_size=4)
+
+    async def scenario() -> list[Group | BaseException]:
+        dht = _DHT(latency=0.0, store_seconds=0.5)
+        joins = [_join(dht, PEERS[0], 0.0, 0.0, 3, config), _join(dht, PEERS[1], 0.0, 0.8, 3, config)]
+        return await asyncio.gather(*joins, return_exceptions=True)
+
+    leader, follower = asyncio.run(scenario())
+    if adaptive:  # 4 x 0.5 s: the leader waits 2 s, and both average
+        assert isinstance(leader, Group) and follower == leader and set(leader.members) == set(PEERS[:2])
+    else:  # the damage without it: the leader closed alone, and neither averages
+        assert isinstance(leader, GroupFailed) and "below min_group_size" in str(leader)
+        assert isinstance(follower, GroupFailed) and "registered too late" in str(follower)
+
+
+def test_the_window_is_the_configured_one_on_a_fast_dht_and_capped_on_a_slow_one() -> None:
+    config = AveragingConfig(matchmaking_window=1.5, max_matchmaking_window=8.0)
+    swarm = _Swarm(PEERS[0], _DHT())
+    matchmaker = Matchmaker(swarm, config)  # type: ignore[arg-type]
+    assert matchmaker.window(1.5) == 1.5  # no requests timed yet
+    for seconds in (0.01, 0.02, 0.5):
+        swarm.latency.record(seconds)
+    assert matchmaker.window(1.5) == 1.5  # median 20 ms: 80 ms is below the configured window
+    for seconds in (1.0, 1.5, 1.2):
+        swarm.latency.record(seconds)
+    assert matchmaker.window(1.5) == pytest.approx(4 * 0.75)  # 4 x the median of 6, (0.5 + 1.0) / 2
+    for _ in range(10):
+        swarm.latency.record(5.0)  # timed out
+    assert matchmaker.window(1.5) == 8.0
+    assert matchmaker.window(12.0) == 12.0  # a longer window passed in (diloco's) is never shortened

@@ -15,6 +15,7 @@ from peerd.averaging.matchmaking import GROUPS_PREFIX, Matchmaker
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.swarm.identity import generate_identity
+from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
@@ -161,6 +162,7 @@ class _FakeSwarm:
         self.peer_id = peer_id
         self.entries = entries
         self.dropped: list[str] = []
+        self.latency = LatencyWindow()
 
     async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
         self.entries[subkey] = value
@@ -184,7 +186,7 @@ def test_matchmaking_takes_groups_only_from_the_computed_leader(keys: dict[str, 
         "junk": {"peer_id": c},
         c + "x": {"nonsense": True},
     }
-    config = AveragingConfig(matchmaking_window=0.5, join_timeout=1.0, min_group_size=2)
+    config = AveragingConfig(matchmaking_window=0.5, max_matchmaking_window=0.5, join_timeout=1.0, min_group_size=2)
     swarm = _FakeSwarm(b, entries)
     group = asyncio.run(Matchmaker(swarm, config).form_group("run.round", 2))  # type: ignore[arg-type]
     assert set(group.members) == {a, b}
