@@ -81,9 +81,22 @@ class Matchmaker:
         """Registers for round ``key`` and returns this peer's group; ``expected_peers`` lets the leader
         close early once that many peers (this one included) have registered. ``window``: how long the leader
         waits for them at least (default ``averaging.matchmaking_window``); every peer of a round must pass the
-        same."""
-        me = self.swarm.peer_id
+        same.
+
+        A peer that registered after the leader closed (or was left alone by it) gets one more round,
+        ``<key>.late``, among the other latecomers: on a busy swarm they are several, and averaging among
+        themselves beats stepping alone."""
         base = self.config.matchmaking_window if window is None else window
+        try:
+            return await self._round(key, expected_peers, base)
+        except _Late as late:
+            try:
+                return await self._round(f"{key}.late", late.latecomers, base)
+            except GroupFailed as again:
+                raise GroupFailed(f"{late}; then among the latecomers: {again}") from again
+
+    async def _round(self, key: str, expected_peers: int, base: float) -> Group:
+        me = self.swarm.peer_id
         limit = max(base, self.config.max_matchmaking_window)
         registered_at, started = self.clock(), time.monotonic()
         # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
@@ -113,14 +126,16 @@ class Matchmaker:
             # that returns all registrations, so polls thin out while a round waits
             await asyncio.sleep(poll)
             poll = min(poll * POLL_BACKOFF, max(POLL_INTERVAL, window / POLLS_PER_WINDOW))
+        grouped = {peer for members in published.groups for peer in members}
+        latecomers = sum(1 for peer in entries if peer not in grouped) + (me not in entries)
         for members in published.groups:
             if me in members:
                 if len(members) < self.config.min_group_size:
-                    raise GroupFailed(f"group for {key} has {len(members)} member(s), below min_group_size")
+                    raise _Late(f"group for {key} has {len(members)} member(s), below min_group_size", max(latecomers, 2))
                 ordered = tuple(members)
                 return Group(group_id(key, ordered), ordered)
-        raise GroupFailed(f"{key}: registered too late, the leader's groups do not include this peer "
-                          f"(its window was {window:.1f}s here)")
+        raise _Late(f"{key}: registered too late, the leader's groups do not include this peer (its window "
+                    f"was {window:.1f}s here)", latecomers)
 
     def window(self, base: float) -> float:
         """How long a leader waits for registrations: ``base``, or longer while this peer's DHT requests are
@@ -163,6 +178,15 @@ class Matchmaker:
                     f"malformed matchmaking entry {subkey[:140]!r} under {key}: {e.errors()[0]['msg']}",
                     peer_id=subkey[-128:]))
         return entries, decisions
+
+
+class _Late(GroupFailed):
+    """This peer is in no group of a round, or alone in one; ``latecomers``: how many registrants it saw left
+    out (itself included): the peers to expect in the latecomers' round."""
+
+    def __init__(self, message: str, latecomers: int) -> None:
+        super().__init__(message)
+        self.latecomers = latecomers
 
 
 def _leader(entries: dict[str, float]) -> str:

@@ -24,13 +24,13 @@ CONFIG = AveragingConfig(matchmaking_window=0.6, max_matchmaking_window=0.6, joi
 
 
 class _DHT:
-    """One key's subkeys, each readable ``latency`` seconds after it was stored (as a DHT store propagates);
+    """Keys' subkeys, each readable ``latency`` seconds after it was stored (as a DHT store propagates);
     a store returns after ``store_seconds``, as a lookup and a store take on a busy DHT."""
 
     def __init__(self, latency: float = 0.05, store_seconds: float = 0.0) -> None:
         self.latency = latency
         self.store_seconds = store_seconds
-        self.values: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.values: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
 
 
 class _Swarm:
@@ -44,12 +44,13 @@ class _Swarm:
     async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
         with self.latency.timing():
             await asyncio.sleep(self.dht.store_seconds)
-            self.dht.values[subkey] = (time.monotonic() + self.dht.latency, value)
+            self.dht.values[key, subkey] = (time.monotonic() + self.dht.latency, value)
         return True
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
         now = time.monotonic()
-        return {subkey: value for subkey, (visible, value) in self.dht.values.items() if visible <= now}
+        return {subkey: value for (stored, subkey), (visible, value) in self.dht.values.items()
+                if stored == key and visible <= now}
 
     def drop(self, reason: str, error: ProtocolViolation) -> None:
         raise AssertionError(f"unexpected drop: {error}")
@@ -109,9 +110,9 @@ def test_of_two_racing_decisions_every_reader_takes_the_earliest_registered_lead
     dht = _DHT(latency=0.0)
     t = time.time()
     for peer, offset in ((PEERS[0], 0.0), (PEERS[1], -1.0)):
-        dht.values[peer] = (0.0, {"peer_id": peer, "t": t + offset})
-    dht.values[GROUPS_PREFIX + PEERS[0]] = (0.0, {"peer_id": PEERS[0], "groups": [[PEERS[0], PEERS[2]]]})
-    dht.values[GROUPS_PREFIX + PEERS[1]] = (0.0, {"peer_id": PEERS[1], "groups": [sorted(PEERS[:3])]})
+        dht.values[KEY, peer] = (0.0, {"peer_id": peer, "t": t + offset})
+    dht.values[KEY, GROUPS_PREFIX + PEERS[0]] = (0.0, {"peer_id": PEERS[0], "groups": [[PEERS[0], PEERS[2]]]})
+    dht.values[KEY, GROUPS_PREFIX + PEERS[1]] = (0.0, {"peer_id": PEERS[1], "groups": [sorted(PEERS[:3])]})
     group = asyncio.run(Matchmaker(_Swarm(PEERS[2], dht), CONFIG).form_group(KEY, 3))  # type: ignore[arg-type]
     assert set(group.members) == set(PEERS[:3])  # PEERS[1] registered earliest (on its clock), so its decision
 
@@ -153,3 +154,16 @@ def test_the_window_is_the_configured_one_on_a_fast_dht_and_capped_on_a_slow_one
         swarm.latency.record(5.0)  # timed out
     assert matchmaker.window(1.5) == 8.0
     assert matchmaker.window(12.0) == 12.0  # a longer window passed in (diloco's) is never shortened
+
+
+def test_peers_that_register_after_the_decision_average_among_themselves() -> None:
+    async def scenario() -> list[Group | BaseException]:
+        dht = _DHT()
+        on_time = [_join(dht, PEERS[i], 0.0, 0.0, 2) for i in range(2)]  # expect 2: their leader closes at once
+        late = [_join(dht, PEERS[i], 0.0, 0.5 + 0.1 * i, 4) for i in (2, 3)]
+        return await asyncio.gather(*on_time, *late, return_exceptions=True)
+
+    first, second, third, fourth = asyncio.run(scenario())
+    assert isinstance(first, Group) and first == second and set(first.members) == set(PEERS[:2])
+    assert isinstance(third, Group) and third == fourth and set(third.members) == set(PEERS[2:4])
+    assert third.round_id.startswith(f"{KEY}.late/")  # a round of its own: no all-reduce mixes the two
