@@ -91,7 +91,9 @@ class Matchmaker:
             return await self._round(key, expected_peers, base)
         except _Late as late:
             try:
-                return await self._round(f"{key}.late", late.latecomers, base)
+                # how many more will come late is unknown: close early only on a full group
+                expected = max(late.latecomers, self.config.target_group_size)
+                return await self._round(f"{key}.late", expected, base)
             except GroupFailed as again:
                 raise GroupFailed(f"{late}; then among the latecomers: {again}") from again
 
