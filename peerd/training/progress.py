@@ -8,6 +8,7 @@ rather than failing later with a shape error inside an all-reduce.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -68,8 +69,15 @@ class ProgressTracker:
         self.shard = shard
         self.view = SwarmProgress()
         self._warned: dict[str, float] = {}
+        self._published: tuple[int, int] | None = None  # (step, samples) of the last stored record
+        self._published_at = -math.inf  # time.monotonic() of that store
 
-    async def publish(self, step: int, samples: int, samples_per_second: float) -> None:
+    async def publish(self, step: int, samples: int, samples_per_second: float, if_changed: bool = False) -> None:
+        """Stores this peer's record; ``if_changed``: only if step or samples moved since the last one, or it
+        is a quarter of the TTL old (a trainer waiting in a round has nothing new to say)."""
+        fresh = time.monotonic() - self._published_at < self.ttl / 4
+        if if_changed and fresh and self._published == (step, samples):
+            return
         record = ProgressRecord(
             peer_id=self.swarm.peer_id, fingerprint=self.fingerprint, step=step, samples=samples,
             samples_per_second=round(max(0.0, samples_per_second), 3), time=now(), shard=self.shard,
@@ -78,6 +86,8 @@ class ProgressTracker:
             await self.swarm.store(self.key, self.swarm.peer_id, record.model_dump(), record.time + self.ttl)
         except PeerdError as e:
             logger.warning("Could not publish training progress: %s", e)
+            return
+        self._published, self._published_at = (step, samples), time.monotonic()
 
     async def refresh(self) -> SwarmProgress:
         try:

@@ -397,14 +397,17 @@ class CollaborativeTrainer:
 
     # --- progress ---------------------------------------------------------------------------------------------
 
-    async def publish(self) -> None:
-        await self.progress.publish(self.step, self.samples, self.report.samples_per_second)
+    async def publish(self, if_changed: bool = False) -> None:
+        await self.progress.publish(self.step, self.samples, self.report.samples_per_second, if_changed)
         self.report.swarm_samples_per_second = self.progress.view.samples_per_second
 
     async def _publish_periodically(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.publish()
-            await self.progress.refresh()
+            await self.publish(if_changed=True)
+            # in a round the trainer reads no progress (its step publishes before and after it): on a busy
+            # swarm trainers spend most of their time in rounds, and these reads were most of their requests
+            if self.report.state != "averaging":
+                await self.progress.refresh()
             self.report.peers_training = len(self.progress.view.peers)
             self.report.foreign_peers = dict(self.progress.view.foreign)
             await _wait_unless_stopped(stop, progress_pause(self.config, self.swarm.latency.median()))

@@ -1,0 +1,61 @@
+"""Fewer DHT requests on a busy swarm: the latency window, the waits that scale with it, and progress records
+stored only when they say something new."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from peerd.config import TrainingConfig
+from peerd.swarm.latency import LatencyWindow
+from peerd.training.progress import ProgressTracker
+from peerd.training.trainer import progress_pause
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_window_keeps_the_last_requests_and_counts_a_raised_one() -> None:
+    window = LatencyWindow(size=3)
+    assert window.median() == 0.0 and len(window) == 0
+    for seconds in (9.0, 0.1, 0.2, 0.3):  # the first falls out
+        window.record(seconds)
+    assert len(window) == 3 and window.median() == pytest.approx(0.2)
+    with pytest.raises(TimeoutError), window.timing():
+        raise TimeoutError  # a request that timed out is still a (slow) request
+    assert len(window) == 3 and window.median() == pytest.approx(0.2)  # 0.2, 0.3 and ~0
+
+
+def test_progress_is_exchanged_less_often_on_a_slow_dht_but_within_its_ttl() -> None:
+    config = TrainingConfig(progress_period=0.5, progress_ttl=10.0)
+    assert progress_pause(config, 0.01) == 0.5  # a fast DHT: the configured period
+    assert progress_pause(config, 1.0) == 2.0  # 2x the median request time
+    assert progress_pause(config, 5.0) == 2.5  # a quarter of the TTL at most, or the record would lapse
+
+
+class _CountingSwarm:
+    peer_id = "Qm" + "A" * 44
+
+    def __init__(self) -> None:
+        self.stores = 0
+
+    async def store(self, key: str, subkey: str, payload: dict[str, Any], expiration: float) -> bool:
+        self.stores += 1
+        return True
+
+
+def test_an_unchanged_progress_record_is_not_stored_again_until_a_quarter_of_its_ttl() -> None:
+    async def scenario() -> list[int]:
+        swarm = _CountingSwarm()
+        tracker = ProgressTracker(swarm, "run", "0123abcd", ttl=2.0)  # type: ignore[arg-type]
+        counts = []
+        for step, samples in ((1, 32), (1, 32), (1, 64), (1, 64)):  # as a periodic publisher in a round sees it
+            await tracker.publish(step, samples, 10.0, if_changed=True)
+            counts.append(swarm.stores)
+        await asyncio.sleep(0.6)  # past ttl / 4: republished although nothing changed, before it lapses
+        await tracker.publish(1, 64, 10.0, if_changed=True)
+        await tracker.publish(1, 64, 10.0)  # the trainer's own publications always store
+        return [*counts, swarm.stores]
+
+    assert asyncio.run(scenario()) == [1, 1, 2, 2, 4]
