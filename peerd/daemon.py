@@ -314,6 +314,9 @@ class Daemon:
             "peers": peers,
             "dht_error": error,
             "view": self.presence.view.status(),
+            # the median of this peer's recent DHT stores and reads: matchmaking windows and progress reads
+            # stretch with it
+            "dht_request_seconds": round(self.swarm.latency.median(), 4),
             "records_dropped": await self.swarm.dropped_records(),
             "training": self.trainer.report.as_dict() if self.trainer is not None else None,
             "experts": self.experts_snapshot(),
