@@ -50,7 +50,9 @@ GROUPS_PREFIX = "groups:"
 POLL_INTERVAL = 0.1  # the first poll's delay; each next one is POLL_BACKOFF times longer, up to window/5
 POLL_BACKOFF = 1.5
 POLLS_PER_WINDOW = 5
-WINDOW_PER_LATENCY = 4.0  # a follower's registration lands ~3 DHT requests after the leader's (docs/scaling.md)
+# A follower's registration lands up to ~5 DHT request times after the leader's: the leader's progress record
+# (stored beside its registration), the follower's progress pause (2) and read, then its own registration.
+WINDOW_PER_LATENCY = 6.0
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 
 
@@ -91,9 +93,7 @@ class Matchmaker:
             return await self._round(key, expected_peers, base)
         except _Late as late:
             try:
-                # how many more will come late is unknown: close early only on a full group
-                expected = max(late.latecomers, self.config.target_group_size)
-                return await self._round(f"{key}.late", expected, base)
+                return await self._round(f"{key}.late", late.latecomers, base)
             except GroupFailed as again:
                 raise GroupFailed(f"{late}; then among the latecomers: {again}") from again
 
@@ -128,12 +128,13 @@ class Matchmaker:
             # that returns all registrations, so polls thin out while a round waits
             await asyncio.sleep(poll)
             poll = min(poll * POLL_BACKOFF, max(POLL_INTERVAL, window / POLLS_PER_WINDOW))
-        grouped = {peer for members in published.groups for peer in members}
-        latecomers = sum(1 for peer in entries if peer not in grouped) + (me not in entries)
+        # every expected peer that does not average in this round may come to the latecomers' one
+        averaging = sum(len(members) for members in published.groups if len(members) >= self.config.min_group_size)
+        latecomers = max(2, expected_peers - averaging)
         for members in published.groups:
             if me in members:
                 if len(members) < self.config.min_group_size:
-                    raise _Late(f"group for {key} has {len(members)} member(s), below min_group_size", max(latecomers, 2))
+                    raise _Late(f"group for {key} has {len(members)} member(s), below min_group_size", latecomers)
                 ordered = tuple(members)
                 return Group(group_id(key, ordered), ordered)
         raise _Late(f"{key}: registered too late, the leader's groups do not include this peer (its window "
@@ -183,8 +184,8 @@ class Matchmaker:
 
 
 class _Late(GroupFailed):
-    """This peer is in no group of a round, or alone in one; ``latecomers``: how many registrants it saw left
-    out (itself included): the peers to expect in the latecomers' round."""
+    """This peer is in no group of a round, or alone in one; ``latecomers``: the peers to expect in the
+    latecomers' round (those expected in this one that do not average in it, itself included)."""
 
     def __init__(self, message: str, latecomers: int) -> None:
         super().__init__(message)

@@ -45,7 +45,7 @@ class AveragingConfig(Section):
     max_matchmaking_window: float = Field(
         default=10.0, gt=0,
         description="Seconds the first ready peer waits at most when the DHT answers slowly: the window grows to "
-        "4 times the median time of this peer's recent DHT requests, so registrations that take that long to "
+        "6 times the median time of this peer's recent DHT requests, so registrations that take that long to "
         "arrive still make the round. Peers give up waiting for a group decision after this plus join_timeout.",
     )
     round_timeout: float = Field(
