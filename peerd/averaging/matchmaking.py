@@ -9,6 +9,11 @@ final: every registrant that reads one takes it (among several, the one of the e
 so every member acts on the same list. A peer left in no group, or in one below ``min_group_size``, raises
 GroupFailed.
 
+The window stretches with the DHT's speed (6 times the median of this peer's recent request times, up to
+``max_matchmaking_window``): on a busy swarm a follower's registration takes several requests to arrive, and a
+window sized for an idle one closed before it did. A peer left out anyway (registered after the decision, or
+alone in it) registers once more under ``<key>.late`` with the other latecomers, rather than stepping alone.
+
 Clocks. ``t`` is read on its writer's clock, and peers' clocks differ by up to 3 s (what hivemind's DHT
 admits: ``peerd.swarm.clock``). We chose to make no decision depend on comparing one peer's time with
 another's, rather than to measure and correct offsets (a DHT round trip of unknown length would blur any
