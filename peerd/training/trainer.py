@@ -404,10 +404,9 @@ class CollaborativeTrainer:
     async def _publish_periodically(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.publish(if_changed=True)
-            # in a round the trainer reads no progress (its step publishes before and after it): on a busy
-            # swarm trainers spend most of their time in rounds, and these reads were most of their requests
-            if self.report.state != "averaging":
-                await self.progress.refresh()
+            # read even while this trainer is in a round: a trainer whose batch completes at once is nearly
+            # always in one, and without fresh records it never saw that the swarm was steps ahead of it
+            await self.progress.refresh()
             self.report.peers_training = len(self.progress.view.peers)
             self.report.foreign_peers = dict(self.progress.view.foreign)
             await _wait_unless_stopped(stop, progress_pause(self.config, self.swarm.latency.median()))
