@@ -301,7 +301,7 @@ class Daemon:
 
     async def status(self) -> dict[str, Any]:
         assert self.swarm is not None and self.presence is not None
-        peers, error = await self.presence.peers()
+        peers, peers_read_age, error = await self.presence.peers()
         return {
             "peer_id": self.swarm.peer_id,
             "run_name": self.config.run_name,
@@ -312,6 +312,7 @@ class Daemon:
             "roles": self._roles(),
             "pid": os.getpid(),
             "peers": peers,
+            "peers_read_age": peers_read_age,  # seconds since the read of the records in `peers` began
             "dht_error": error,
             "view": self.presence.view.status(),
             # the median of this peer's recent DHT stores and reads: matchmaking windows and progress reads

@@ -1,5 +1,12 @@
 """This peer in the swarm's records: its record published every refresh, its leaving announced, the others'
-records listed for status, and whether that list is whole (split-brain detection, ``view.py``)."""
+records listed for status, and whether that list is whole (split-brain detection, ``view.py``).
+
+A read of all records moves every record from each DHT node it asks, so neither status (the status page polls
+every 2 s, Prometheus scrapes, ``peerd status`` runs in loops) nor the view check pays for one per call: a read
+that began within one record refresh period (records change no faster) is reused, and concurrent reads share
+one DHT request. So a peer reads the records at most once per refresh period, however often it is asked;
+status says how old its list is (``peers_read_age``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from typing import Any
 
 from peerd.config import SwarmConfig
 from peerd.errors import PeerdError
-from peerd.swarm.node import SwarmNode, now
+from peerd.swarm.node import SeenPeer, SwarmNode, now
 from peerd.swarm.records import PeerRecord, PeerState
 from peerd.swarm.view import ViewWatch
 
@@ -27,6 +34,9 @@ class Presence:
         self.record = record
         self.view = ViewWatch(config.initial_peers, swarm.peer_id, config.record_refresh_period)
         self.republish = asyncio.Event()  # set: publish at the next tick rather than after a whole period
+        self.reuse_within = config.record_refresh_period  # a read this recent is as fresh as the records
+        self._last_read: tuple[float, list[SeenPeer]] | None = None  # (monotonic start, records)
+        self._reading: asyncio.Task[tuple[float, list[SeenPeer]]] | None = None
 
     async def publish(self) -> None:
         try:
@@ -51,14 +61,12 @@ class Presence:
     async def check_view(self) -> None:
         """Reads every record, compares the view with what the others report and with the initial peers, and
         re-bootstraps when it stays partial (a read that keeps failing counts as a partial view)."""
-        started = time.monotonic()
         try:
-            seen = await self.swarm.read_peers()
+            _, seen = await self.read(max_age=self.reuse_within)
         except PeerdError as e:
             live = []
             rebootstrap = self.view.failed_read(str(e), time.monotonic())
         else:
-            self.view.read_seconds.append(time.monotonic() - started)
             live = [peer.record for peer in seen if peer.record.state is not PeerState.LEAVING]
             rebootstrap = self.view.observe([r.peer_id for r in live], {r.peer_id: r.peers_seen for r in live},
                                             time.monotonic())
@@ -67,13 +75,30 @@ class Presence:
             self.view.rebootstrapped(await self.swarm.rebootstrap(reporter))
             self.republish.set()  # store our record where the refreshed routing table says it belongs
 
-    async def peers(self) -> tuple[list[dict[str, Any]], str | None]:
-        """The others' records as status shows them (with expiry, age and how we reach each), and the DHT
-        error if the read failed."""
+    async def read(self, max_age: float) -> tuple[float, list[SeenPeer]]:
+        """Every record (``SwarmNode.read_peers``) and the monotonic time its read began: the last read if it
+        began at most ``max_age`` seconds ago, else the one in flight, else a new one."""
+        if self._last_read is not None and time.monotonic() - self._last_read[0] <= max_age:
+            return self._last_read
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read_now())
+        # shielded: a status request that gives up must not cancel the read the view check waits on
+        return await asyncio.shield(self._reading)
+
+    async def _read_now(self) -> tuple[float, list[SeenPeer]]:
+        started = time.monotonic()
+        seen = await self.swarm.read_peers()
+        self.view.read_seconds.append(time.monotonic() - started)
+        self._last_read = (started, seen)
+        return self._last_read
+
+    async def peers(self) -> tuple[list[dict[str, Any]], float | None, str | None]:
+        """The others' records as status shows them (with expiry, age and how we reach each), the age of
+        the read they come from (seconds), and the DHT error if the read failed."""
         try:
-            seen = await self.swarm.read_peers()
+            read_at, seen = await self.read(max_age=self.reuse_within)
         except PeerdError as e:
-            return [], str(e)
+            return [], None, str(e)
         current = now()
         peers = []
         for peer in seen:
@@ -84,4 +109,4 @@ class Presence:
             entry["age"] = round(current - peer.record.updated_at, 2)
             entry["connection"] = self.swarm.reach.via(peer.record.peer_id)
             peers.append(entry)
-        return peers, None
+        return peers, round(time.monotonic() - read_at, 2), None

@@ -59,3 +59,46 @@ def test_an_unchanged_progress_record_is_not_stored_again_until_a_quarter_of_its
         return [*counts, swarm.stores]
 
     assert asyncio.run(scenario()) == [1, 1, 2, 2, 4]
+
+
+class _ReadingSwarm:
+    """Counts reads of all records; each read waits until the test releases it."""
+
+    peer_id = "Qm" + "B" * 44
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.release = asyncio.Event()
+
+    async def read_peers(self) -> list[Any]:
+        self.reads += 1
+        await self.release.wait()
+        return []
+
+
+def test_status_and_the_view_check_share_reads_of_the_records() -> None:
+    from peerd.config import SwarmConfig
+    from peerd.swarm.presence import Presence
+
+    async def scenario() -> list[int]:
+        swarm = _ReadingSwarm()
+        presence = Presence(swarm, SwarmConfig(record_refresh_period=0.5), record=lambda: None)  # type: ignore
+        counts = []
+        # a status page, a metrics scrape and the view check at once: one DHT read
+        waiting = [asyncio.ensure_future(presence.peers()) for _ in range(3)]
+        check = asyncio.ensure_future(presence.check_view())
+        await asyncio.sleep(0)
+        waiting[0].cancel()  # a status request that gives up does not cancel the read the others wait on
+        await asyncio.sleep(0)
+        swarm.release.set()
+        results = await asyncio.gather(*waiting[1:], check)
+        counts.append(swarm.reads)
+        assert all(result[1] is not None and result[2] is None for result in results[:2])  # age, no error
+        await presence.peers()  # within a refresh period: the same read
+        counts.append(swarm.reads)
+        await asyncio.sleep(0.6)  # records may have changed since: a new read
+        await presence.peers()
+        counts.append(swarm.reads)
+        return counts
+
+    assert asyncio.run(scenario()) == [1, 1, 2]
