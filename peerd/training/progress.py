@@ -14,11 +14,25 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from peerd.config import TrainingConfig
 from peerd.errors import PeerdError, ProtocolViolation
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PeerIdStr
 
 logger = logging.getLogger(__name__)
+
+# The periodic progress publication and read pause this many times the DHT's median request time, if longer
+# than training.progress_period (and shorter than a quarter of training.progress_ttl).
+PROGRESS_PER_LATENCY = 2.0
+
+
+def progress_pause(config: TrainingConfig, dht_latency: float) -> float:
+    """Seconds between periodic progress publications and reads, given the DHT's median request time.
+
+    Never ask the DHT much more often than it answers: on a saturated one the reads and stores of every trainer
+    only queue behind each other's. But republish well within the record's TTL.
+    """
+    return max(config.progress_period, min(PROGRESS_PER_LATENCY * dht_latency, config.progress_ttl / 4))
 
 
 class ProgressRecord(BaseModel):

@@ -32,7 +32,7 @@ from peerd.training.health import AveragingHealth
 from peerd.training.local import LocalModel
 from peerd.training.outer import OuterState
 from peerd.training.phases import OuterRounds
-from peerd.training.progress import ProgressTracker, SwarmProgress
+from peerd.training.progress import ProgressTracker, SwarmProgress, progress_pause
 from peerd.training.report import TrainingReport
 from peerd.training.state import TrainingState
 from peerd.training.sync import StateServer
@@ -45,20 +45,6 @@ logger = logging.getLogger(__name__)
 # Seconds between progress reads while a lockstep peer waits for the others' shares (the matchmaker polls
 # the DHT at the same pace).
 LOCKSTEP_POLL = 0.1
-# The periodic progress publication and read pause this many times the DHT's median request time, if longer
-# than training.progress_period (and shorter than a quarter of training.progress_ttl).
-PROGRESS_PER_LATENCY = 2.0
-
-
-def progress_pause(config: TrainingConfig, dht_latency: float) -> float:
-    """Seconds between periodic progress publications and reads, given the DHT's median request time.
-
-    Never ask the DHT much more often than it answers: on a saturated one the reads and stores of every trainer
-    only queue behind each other's. But republish well within the record's TTL.
-    """
-    return max(config.progress_period, min(PROGRESS_PER_LATENCY * dht_latency, config.progress_ttl / 4))
-
-
 async def _wait_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
     """Waits ``seconds``, or less if ``stop`` is set meanwhile: a polling pace that never delays shutdown."""
     try:

@@ -10,8 +10,7 @@ import pytest
 
 from peerd.config import TrainingConfig
 from peerd.swarm.latency import LatencyWindow
-from peerd.training.progress import ProgressTracker
-from peerd.training.trainer import progress_pause
+from peerd.training.progress import ProgressTracker, progress_pause
 
 pytestmark = pytest.mark.timeout(30)
 
