@@ -108,7 +108,7 @@ class Matchmaker:
         registered_at, started = self.clock(), time.monotonic()
         # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
         lifetime = limit + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET
-        await self._store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
+        await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
         window = self.window(base)  # after our own store, which the DHT's latency counts
         target = max(2, min(expected_peers, self.config.target_group_size * 64))
         # the leader may have waited up to `limit`, measured from a registration before ours
@@ -124,7 +124,7 @@ class Matchmaker:
             window_over = time.monotonic() >= started + window
             if leader == me and (window_over or len(entries) >= target):
                 published = self._split(me, entries)
-                await self._store(key, GROUPS_PREFIX + me, published.model_dump(), registered_at + lifetime)
+                await self._publish(key, published, registered_at + lifetime)
                 break
             if time.monotonic() > deadline:
                 raise GroupFailed(f"no group decision for {key} within {deadline - started:.1f}s "
@@ -145,16 +145,19 @@ class Matchmaker:
         raise _Late(f"{key}: registered too late, the leader's groups do not include this peer (its window "
                     f"was {window:.1f}s here)", latecomers)
 
-    async def _store(self, key: str, subkey: str, payload: dict[str, object], expiration: float) -> None:
-        """A store that outlasts ``swarm.request_timeout`` is late, not lost: hivemind's DHT process goes on
-        storing after this one stops waiting (only our side of its future is cancelled). So a registration
-        that timed out polls for the decision like any other, and a leader whose decision timed out keeps it:
-        its members read it when it lands (on a saturated DHT, giving up on such stores was a common cause of
-        solo steps: docs/scaling.md 3.1). A registration that never lands shows as one the decision left out."""
+    async def _publish(self, key: str, decision: _Groups, expiration: float) -> None:
+        """Stores the leader's decision. One that outlasts ``swarm.request_timeout`` is late, not lost: hivemind's
+        DHT process goes on storing after this one stops waiting (only our side of its future is cancelled), so
+        the leader keeps its decision and its members read it when it lands, rather than all of them waiting
+        out their deadline for a decision that was never going to come.
+
+        A registration store that times out still ends the round for its peer: by then the window it was for
+        has mostly passed, and a solo step at once keeps the peer in time for the next round, where waiting on
+        (and on the latecomers' round after it) made it late for that one too (docs/scaling.md 3.1)."""
         try:
-            await self.swarm.store(key, subkey, payload, expiration)
+            await self.swarm.store(key, GROUPS_PREFIX + decision.peer_id, decision.model_dump(), expiration)
         except TransportError as e:
-            logger.debug("Matchmaking store under %s is slow, going on as if it had landed: %s", key, e)
+            logger.debug("The decision for %s is slow to store; its members read it when it lands: %s", key, e)
 
     def window(self, base: float) -> float:
         """How long a leader waits for registrations: ``base``, or longer while this peer's DHT requests are
