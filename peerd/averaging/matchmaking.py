@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from peerd.averaging.group import Group
 from peerd.config import AveragingConfig
-from peerd.errors import GroupFailed, PeerdError, ProtocolViolation, TransportError
+from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
 from peerd.swarm.clock import MAX_CLOCK_OFFSET
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PeerIdStr
@@ -124,7 +124,7 @@ class Matchmaker:
             window_over = time.monotonic() >= started + window
             if leader == me and (window_over or len(entries) >= target):
                 published = self._split(me, entries)
-                await self._publish(key, published, registered_at + lifetime)
+                await self.swarm.store(key, GROUPS_PREFIX + me, published.model_dump(), registered_at + lifetime)
                 break
             if time.monotonic() > deadline:
                 raise GroupFailed(f"no group decision for {key} within {deadline - started:.1f}s "
@@ -144,20 +144,6 @@ class Matchmaker:
                 return Group(group_id(key, ordered), ordered)
         raise _Late(f"{key}: registered too late, the leader's groups do not include this peer (its window "
                     f"was {window:.1f}s here)", latecomers)
-
-    async def _publish(self, key: str, decision: _Groups, expiration: float) -> None:
-        """Stores the leader's decision. One that outlasts ``swarm.request_timeout`` is late, not lost: hivemind's
-        DHT process goes on storing after this one stops waiting (only our side of its future is cancelled), so
-        the leader keeps its decision and its members read it when it lands, rather than all of them waiting
-        out their deadline for a decision that was never going to come.
-
-        A registration store that times out still ends the round for its peer: by then the window it was for
-        has mostly passed, and a solo step at once keeps the peer in time for the next round, where waiting on
-        (and on the latecomers' round after it) made it late for that one too (docs/scaling.md 3.1)."""
-        try:
-            await self.swarm.store(key, GROUPS_PREFIX + decision.peer_id, decision.model_dump(), expiration)
-        except TransportError as e:
-            logger.debug("The decision for %s is slow to store; its members read it when it lands: %s", key, e)
 
     def window(self, base: float) -> float:
         """How long a leader waits for registrations: ``base``, or longer while this peer's DHT requests are

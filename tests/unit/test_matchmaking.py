@@ -12,7 +12,7 @@ import pytest
 from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import GROUPS_PREFIX, Matchmaker
 from peerd.config import AveragingConfig
-from peerd.errors import GroupFailed, ProtocolViolation, TransportError
+from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.swarm.latency import LatencyWindow
 
 pytestmark = pytest.mark.timeout(60)
@@ -167,34 +167,3 @@ def test_peers_that_register_after_the_decision_average_among_themselves() -> No
     assert isinstance(first, Group) and first == second and set(first.members) == set(PEERS[:2])
     assert isinstance(third, Group) and third == fourth and set(third.members) == set(PEERS[2:4])
     assert third.round_id.startswith(f"{KEY}.late/")  # a round of its own: no all-reduce mixes the two
-
-
-class _TimingOutSwarm(_Swarm):
-    """A decision store gives up waiting (TransportError, as SwarmNode.store past swarm.request_timeout)
-    although the DHT process goes on and stores it, readable ``landing`` seconds later."""
-
-    landing = 0.2
-
-    async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
-        if not subkey.startswith(GROUPS_PREFIX):
-            return await super().store(key, subkey, value, expiration)
-        self.dht.values[key, subkey] = (time.monotonic() + self.landing, value)
-        await asyncio.sleep(0.05)
-        raise TransportError(f"storing {key} timed out after 0.05s")
-
-
-def test_a_decision_whose_store_times_out_but_lands_still_forms_the_group() -> None:
-    async def scenario() -> list[Group | BaseException]:
-        dht = _DHT()
-
-        async def join(peer: str, delay: float) -> Group:
-            await asyncio.sleep(delay)
-            return await Matchmaker(_TimingOutSwarm(peer, dht), CONFIG).form_group(KEY, 3)  # type: ignore[arg-type]
-
-        return await asyncio.gather(*(join(PEERS[i], 0.05 * i) for i in range(3)), return_exceptions=True)
-
-    groups = asyncio.run(scenario())
-    # the leader went on with its decision, and its members read it once it landed
-    assert all(isinstance(group, Group) for group in groups), groups
-    assert len({group.members for group in groups if isinstance(group, Group)}) == 1
-    assert set(groups[0].members) == set(PEERS[:3])  # type: ignore[union-attr]
