@@ -62,7 +62,7 @@ class Presence:
         """Reads every record, compares the view with what the others report and with the initial peers, and
         re-bootstraps when it stays partial (a read that keeps failing counts as a partial view)."""
         try:
-            _, seen = await self.read(max_age=self.reuse_within)
+            _, seen = await self.read()
         except PeerdError as e:
             live = []
             rebootstrap = self.view.failed_read(str(e), time.monotonic())
@@ -75,10 +75,10 @@ class Presence:
             self.view.rebootstrapped(await self.swarm.rebootstrap(reporter))
             self.republish.set()  # store our record where the refreshed routing table says it belongs
 
-    async def read(self, max_age: float) -> tuple[float, list[SeenPeer]]:
+    async def read(self) -> tuple[float, list[SeenPeer]]:
         """Every record (``SwarmNode.read_peers``) and the monotonic time its read began: the last read if it
-        began at most ``max_age`` seconds ago, else the one in flight, else a new one."""
-        if self._last_read is not None and time.monotonic() - self._last_read[0] <= max_age:
+        began within ``reuse_within`` seconds, else the one in flight, else a new one."""
+        if self._last_read is not None and time.monotonic() - self._last_read[0] <= self.reuse_within:
             return self._last_read
         if self._reading is None or self._reading.done():
             self._reading = asyncio.ensure_future(self._read_now())
@@ -96,7 +96,7 @@ class Presence:
         """The others' records as status shows them (with expiry, age and how we reach each), the age of
         the read they come from (seconds), and the DHT error if the read failed."""
         try:
-            read_at, seen = await self.read(max_age=self.reuse_within)
+            read_at, seen = await self.read()
         except PeerdError as e:
             return [], None, str(e)
         current = now()

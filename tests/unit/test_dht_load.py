@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from peerd.config import TrainingConfig
+from peerd.config import SwarmConfig, TrainingConfig
 from peerd.swarm.latency import LatencyWindow
+from peerd.swarm.presence import Presence
 from peerd.training.progress import ProgressTracker, progress_pause
 
 pytestmark = pytest.mark.timeout(30)
@@ -76,9 +77,6 @@ class _ReadingSwarm:
 
 
 def test_status_and_the_view_check_share_reads_of_the_records() -> None:
-    from peerd.config import SwarmConfig
-    from peerd.swarm.presence import Presence
-
     async def scenario() -> list[int]:
         swarm = _ReadingSwarm()
         presence = Presence(swarm, SwarmConfig(record_refresh_period=0.5), record=lambda: None)  # type: ignore
