@@ -82,6 +82,8 @@ class Presence:
             return self._last_read
         if self._reading is None or self._reading.done():
             self._reading = asyncio.ensure_future(self._read_now())
+            # every waiter may have given up before a failed read ends; its error is then nobody's to report
+            self._reading.add_done_callback(_retrieve)
         # shielded: a status request that gives up must not cancel the read the view check waits on
         return await asyncio.shield(self._reading)
 
@@ -110,3 +112,8 @@ class Presence:
             entry["connection"] = self.swarm.reach.via(peer.record.peer_id)
             peers.append(entry)
         return peers, round(time.monotonic() - read_at, 2), None
+
+
+def _retrieve(read: asyncio.Future[Any]) -> None:
+    if not read.cancelled():
+        read.exception()  # marks it retrieved: asyncio would log "Task exception was never retrieved"

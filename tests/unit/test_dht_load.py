@@ -4,11 +4,13 @@ stored only when they say something new."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import pytest
 
 from peerd.config import SwarmConfig, TrainingConfig
+from peerd.errors import TransportError
 from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.presence import Presence
 from peerd.training.progress import ProgressTracker, progress_pause
@@ -73,7 +75,11 @@ class _ReadingSwarm:
     async def read_peers(self) -> list[Any]:
         self.reads += 1
         await self.release.wait()
+        if self.fail:
+            raise TransportError("reading the records timed out")
         return []
+
+    fail = False
 
 
 def test_status_and_the_view_check_share_reads_of_the_records() -> None:
@@ -99,3 +105,28 @@ def test_status_and_the_view_check_share_reads_of_the_records() -> None:
         return counts
 
     assert asyncio.run(scenario()) == [1, 1, 2]
+
+
+def test_a_failed_read_nobody_waits_for_any_more_logs_nothing() -> None:
+    """Every status request gave up before the shared read failed: asyncio has no "exception was never
+    retrieved" to log for the failed read."""
+    unretrieved: list[dict[str, Any]] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+        swarm = _ReadingSwarm()
+        swarm.fail = True
+        presence = Presence(swarm, SwarmConfig(record_refresh_period=0.5), record=lambda: None)  # type: ignore
+        waiting = asyncio.ensure_future(presence.peers())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.sleep(0)  # the request is gone before the read ends
+        swarm.release.set()
+        while swarm.reads == 1 and presence._reading is not None and not presence._reading.done():
+            await asyncio.sleep(0)
+        del presence, waiting  # the failed read's last reference: asyncio logs then if nobody took its error
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert [context["message"] for context in unretrieved] == []
