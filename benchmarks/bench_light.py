@@ -2,8 +2,9 @@
 
 One training peer (``--config``, configs/synthetic.yaml: training on) starts and trains; then, one after the
 other and each beside it, a light peer of the same config with ``training.enabled=false`` as peerd starts it
-now, and the same light peer as it started before ``peerd.footprint`` (hivemind's whole package imported,
-torch's ``file_system`` sharing with its ``torch_shm_manager``). Each light peer joins the trainer's swarm;
+now (its DHT on the daemon's event loop), and the same light peer as it started before ``peerd.footprint``
+(hivemind's whole package imported, torch's ``file_system`` sharing with its ``torch_shm_manager``, the DHT
+in hivemind's child process). Each light peer joins the trainer's swarm;
 once the trainer lists it and ``--settle`` seconds have passed, the whole process tree of both is measured.
 
 Printed: RSS, PSS and USS summed over each tree (MiB), per process RSS/PSS, and the light peer's PSS against

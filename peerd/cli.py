@@ -99,7 +99,7 @@ def start(**options: Any) -> None:
         from peerd.log import route_hivemind_logs, setup_logging
 
         # before the first hivemind import (route_hivemind_logs)
-        lean_hivemind(light=not config.training.enabled and config.experts is None)
+        lean_hivemind(light=config.light)
 
         setup_logging(config.logging)
         route_hivemind_logs(config.logging)

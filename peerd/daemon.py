@@ -77,7 +77,9 @@ class Daemon:
             logger.info("Membership: %s; only members are served", self.membership.describe())
         for problem in ttl_margin_problems(self.config):
             logger.warning("%s", problem)
-        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership)
+        # a light peer has no training step for DHT traffic to wait on: its DHT needs no process of its own
+        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership,
+                                            in_process=self.config.light)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
         self.presence = Presence(self.swarm, self.config.swarm, self.record)
@@ -109,7 +111,7 @@ class Daemon:
             await asyncio.to_thread(check_directory, checkpoints)
 
     async def _p2p_handle(self) -> P2P:
-        """hivemind's P2P handle to the DHT process's p2pd, opened once."""
+        """hivemind's P2P handle to the DHT's p2pd, opened once."""
         assert self.swarm is not None
         if self._p2p is None:
             self._p2p = await self.swarm.dht.replicate_p2p()
@@ -227,7 +229,7 @@ class Daemon:
             if self.stop_event.is_set():
                 break
             if not self.swarm.alive():
-                raise DaemonError("the DHT child process (hivemind, p2pd) died; stopping this peer")
+                raise DaemonError("the DHT (hivemind's, with p2pd) stopped; stopping this peer")
             if self._trainer_task is not None and self._trainer_task.done():
                 error = self._trainer_task.exception()
                 if error is not None:

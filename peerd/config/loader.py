@@ -41,6 +41,11 @@ class PeerdConfig(BaseSettings):
     control: ControlConfig = Field(default_factory=ControlConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
+    @property
+    def light(self) -> bool:
+        """A peer that neither trains nor serves experts: a bootstrap or relay node, kept small."""
+        return not self.training.enabled and self.experts is None
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -1,7 +1,8 @@
 """This peer's place in the swarm: hivemind's DHT (Kademlia over libp2p/p2pd) plus the peer-record API.
 
-hivemind runs the DHT in a child process that owns p2pd (``process.py`` detaches it and ties it to our
-lifetime); every value stored is signed and every value read is verified (``signing.py``).
+A trainer runs hivemind's DHT in a child process that owns p2pd (``process.py`` detaches it and ties it to
+our lifetime); a light peer runs the same DHT node on its own event loop (``inprocess.py``). Every value
+stored is signed and every value read is verified (``signing.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
 from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.identity import generate_identity
+from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
-from peerd.swarm.validator import SignedRecordValidator, child_drop_counts
-from peerd.swarm.view import rebootstrap_in_child
+from peerd.swarm.validator import SignedRecordValidator, node_drop_counts
+from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
 
 logger = logging.getLogger(__name__)
@@ -53,13 +55,13 @@ class SeenPeer:
 
 
 class SwarmNode:
-    """Owns the DHT child process; publishes this peer's signed records and reads everyone else's, verified.
+    """Owns the DHT (and p2pd); publishes this peer's signed records and reads everyone else's, verified.
 
     Every value goes through :meth:`store` (signed with this peer's identity key) and :meth:`read_entries`
     (only values whose signature, signer and membership check out; see ``peerd.swarm.signing``).
     """
 
-    def __init__(self, config: SwarmConfig, run_name: str, dht: DHT, signer: RecordSigner,
+    def __init__(self, config: SwarmConfig, run_name: str, dht: DHT | InProcessDHT, signer: RecordSigner,
                  membership: Membership, reach: Reachability, ephemeral_dir: Path | None = None) -> None:
         self.config = config
         self.reach = reach
@@ -79,8 +81,12 @@ class SwarmNode:
         return f"{self.run_name}.peers"
 
     @classmethod
-    async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None) -> SwarmNode:
+    async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None,
+                     in_process: bool = False) -> SwarmNode:
         """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done.
+
+        ``in_process``: the DHT runs on this event loop (``inprocess.py``, for a light peer) rather than in
+        hivemind's child process.
 
         Without ``swarm.identity_path`` the peer gets a fresh key in a private temporary directory (removed
         at shutdown): the daemon needs the key itself, to sign its records.
@@ -101,9 +107,10 @@ class SwarmNode:
                 raise IdentityError(f"cannot read identity file {identity_path}: {e.strerror or e}",
                                     path=identity_path) from e
             metrics_port = config.relay.metrics_port or free_loopback_port()
-            dht = await cls._start_with_retries(config, identity_path, fresh, membership, metrics_port)
+            dht = await cls._start_with_retries(config, identity_path, fresh, membership, metrics_port,
+                                                in_process)
             if str(dht.peer_id) != signer.peer_id:
-                dht.shutdown()
+                await _shutdown(dht)
                 raise DaemonError(f"p2pd runs as {dht.peer_id} but the identity key is {signer.peer_id}")
         except BaseException:
             if ephemeral_dir is not None:
@@ -113,13 +120,13 @@ class SwarmNode:
 
     @classmethod
     async def _start_with_retries(cls, config: SwarmConfig, identity_path: Path, fresh_identity: bool,
-                                  membership: Membership, metrics_port: int) -> DHT:
+                                  membership: Membership, metrics_port: int, in_process: bool) -> DHT | InProcessDHT:
         delay = config.bootstrap_retry_delay
         last_error: Exception | None = None
         for attempt in range(1, config.bootstrap_attempts + 1):
             try:
-                # Blocking the loop here is fine: nothing else runs on it before the swarm is up.
-                return cls._start_dht(config, identity_path, fresh_identity, membership, metrics_port)
+                return await cls._start_dht(config, identity_path, fresh_identity, membership, metrics_port,
+                                            in_process)
             except DHTValidationError as e:  # an initial peer answered but refused us: retrying cannot help
                 raise clock_skew_error(e, config.initial_peers) or BootstrapError(
                     f"an initial peer refused this one: {_short(e)}", addresses=list(config.initial_peers)) from e
@@ -144,8 +151,8 @@ class SwarmNode:
         )
 
     @staticmethod
-    def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
-                   metrics_port: int) -> DHT:
+    async def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
+                         metrics_port: int, in_process: bool) -> DHT | InProcessDHT:
         relay_kwargs, p2pd_flags = p2pd_options(config, metrics_port)
         kwargs: dict[str, Any] = {
             **relay_kwargs,
@@ -160,10 +167,13 @@ class SwarmNode:
         }
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
+        validators = [SignedRecordValidator(membership)]
+        if in_process:
+            return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
         dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False, p2pd_flags=p2pd_flags,
-                          record_validators=[SignedRecordValidator(membership)], **kwargs)
+                          record_validators=validators, **kwargs)
         dht.run_in_background(await_ready=False)
-        try:
+        try:  # blocking the loop is fine here: nothing else runs on it before the swarm is up
             dht.wait_until_ready(timeout=config.startup_timeout)
         except BaseException:
             dht.shutdown()
@@ -241,14 +251,14 @@ class SwarmNode:
         self._log_dropped(str(error.context.get("peer_id", "unknown")), error)
 
     async def dropped_records(self) -> dict[str, int]:
-        """Records refused, by reason: by this daemon's readers plus by its DHT process (stores and answers)."""
+        """Records refused, by reason: by this daemon's readers plus by its DHT node (stores and answers)."""
         counts = self.verifier.counts()
         try:
-            future = self.dht.run_coroutine(child_drop_counts, return_future=True)
+            future = self.dht.run_coroutine(node_drop_counts, return_future=True)
             child: dict[str, int] = await asyncio.wait_for(asyncio.wrap_future(future),
                                                            self.config.request_timeout)
         except (TimeoutError, OSError, RuntimeError) as e:
-            logger.debug("Could not read the DHT process's record counts: %r", e)
+            logger.debug("Could not read the DHT node's record counts: %r", e)
             return counts
         for reason, count in child.items():
             counts[reason] = counts.get(reason, 0) + count
@@ -271,7 +281,7 @@ class SwarmNode:
         """Re-dials the initial peers (and ``others``: multiaddrs with /p2p/) and looks up our neighbourhood
         again, in the running DHT (``view.py``); returns how many initial peers answered."""
         timeout = self.config.request_timeout
-        coroutine = partial(rebootstrap_in_child, list(self.config.initial_peers), list(others), self.records_key,
+        coroutine = partial(rebootstrap_node, list(self.config.initial_peers), list(others), self.records_key,
                             timeout)
         future = self.dht.run_coroutine(coroutine, return_future=True)
         try:
@@ -290,11 +300,18 @@ class SwarmNode:
     async def shutdown(self) -> None:
         started = time.monotonic()
         try:
-            await asyncio.to_thread(self.dht.shutdown)
+            await _shutdown(self.dht)
         finally:
             if self._ephemeral_dir is not None:
                 shutil.rmtree(self._ephemeral_dir, ignore_errors=True)
         logger.info("DHT and p2pd stopped in %.2fs", time.monotonic() - started)
+
+
+async def _shutdown(dht: DHT | InProcessDHT) -> None:
+    if isinstance(dht, InProcessDHT):
+        await dht.shutdown()
+    else:  # hivemind's waits for its child to stop
+        await asyncio.to_thread(dht.shutdown)
 
 
 def _short(error: BaseException | None) -> str:

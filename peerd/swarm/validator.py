@@ -1,11 +1,11 @@
-"""The record check inside hivemind's DHT process: forged values are neither stored nor believed.
+"""The record check inside hivemind's DHT node: forged values are neither stored nor believed.
 
 hivemind keeps, per subkey, the value with the latest expiration, and merges the answers of several nodes
 the same way. A forged value the daemon merely dropped after reading would still have displaced the valid
-one inside the DHT (a stranger only needs a later expiration). So the DHT process itself runs
+one inside the DHT (a stranger only needs a later expiration). So the DHT node itself runs
 :class:`SignedRecordValidator` on every value another node asks it to store, every value it stores for the
 daemon, and every answer it gets from another node; hivemind discards a store or a whole answer that fails.
-Its rejections are counted in the DHT process and fetched by the daemon with :func:`child_drop_counts`.
+Its rejections are counted where the DHT node runs and fetched by the daemon with :func:`node_drop_counts`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import math
 import time
 
-from hivemind.dht import DHT, DHTNode
+from hivemind.dht import DHTNode
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -22,7 +22,7 @@ from peerd.errors import ProtocolViolation
 from peerd.swarm.signing import RecordVerifier
 from peerd.wire.membership import Membership
 
-__all__ = ["SignedRecordValidator", "child_drop_counts"]
+__all__ = ["SignedRecordValidator", "node_drop_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivem
         return False
 
 
-async def child_drop_counts(_dht: DHT, node: DHTNode) -> dict[str, int]:
-    """Run in the DHT process (``DHT.run_coroutine``): the rejections counted there, by reason."""
+async def node_drop_counts(_dht: object, node: DHTNode) -> dict[str, int]:
+    """Run where the DHT node runs (``run_coroutine``): the rejections its validator counted, by reason."""
     counts: dict[str, int] = {}
     validators = getattr(node.protocol.record_validator, "_validators", [])  # hivemind's CompositeValidator
     for validator in validators:

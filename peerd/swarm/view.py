@@ -16,7 +16,7 @@ must hold for ``CONFIRM`` checks in a row (records spread within a refresh perio
 daemon logs a WARNING, shows it in status (``view``) and re-bootstraps without restarting: it re-dials the
 initial peers and the peer reporting the largest view (its record has its addresses), pings them into the routing
 table and looks up its own neighbourhood and the records key again
-(:func:`rebootstrap_in_child`, run in the DHT process), then re-publishes at once. Re-bootstraps back off
+(:func:`rebootstrap_node`, run where the DHT node runs), then re-publishes at once. Re-bootstraps back off
 (doubling up to ``MAX_BACKOFF`` seconds) while the view stays partial.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind.dht import DHT, DHTNode
+from hivemind.dht import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
@@ -159,9 +159,9 @@ class ViewWatch:
         }
 
 
-async def rebootstrap_in_child(initial_peers: list[str], others: list[str], records_key: str, timeout: float,
-                               _dht: DHT, node: DHTNode) -> int:
-    """Run in the DHT process (``DHT.run_coroutine``): what ``DHTNode.create`` does with initial peers, again.
+async def rebootstrap_node(initial_peers: list[str], others: list[str], records_key: str, timeout: float,
+                           _dht: object, node: DHTNode) -> int:
+    """Run where the DHT node runs (``run_coroutine``): what ``DHTNode.create`` does with initial peers, again.
 
     Dials each initial peer and each of ``others`` (addresses may have left p2pd's peer store since the start),
     pings it into the routing table (and us into its), then looks up our own neighbourhood and the records key

@@ -1,4 +1,4 @@
-"""Re-bootstrap in a running DHT (peerd.swarm.view.rebootstrap_in_child), on real p2pd/DHT processes.
+"""Re-bootstrap in a running DHT (peerd.swarm.view.rebootstrap_node), on real p2pd/DHT processes.
 
 Three nodes in-process: A starts a swarm, B joins through A, C starts alone (a DHT of its own: a split brain
 made on purpose). C's re-bootstrap towards B (as the daemon does towards the peer reporting the largest view)
