@@ -53,27 +53,29 @@ def test_other_refusals_are_not_taken_for_clock_errors() -> None:
 def test_bootstrap_turns_the_refusal_into_a_clock_error_without_retrying(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def refuse(*args: Any) -> None:
+    async def refuse(*args: Any) -> None:
         calls.append(args)
         raise refusal(1_000_030.0, 1_000_000.0)
 
     monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(refuse))
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
     with pytest.raises(ClockSkewError, match=r"clock offset \+30\.0 s"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0))
+        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False))
     assert len(calls) == 1
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(lambda *a: (_ for _ in ()).throw(
-        DHTValidationError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall"))))
+    async def unreachable(*args: Any) -> None:
+        raise DHTValidationError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall")
+
+    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(unreachable))
     with pytest.raises(BootstrapError, match="refused this one: Peer X can't access"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0))
+        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False))
 
 
 def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
     # hivemind raises a bare RuntimeError when no initial peer answers its bootstrap ping
     attempts = []
 
-    def busy_then_ready(*args: Any) -> str:
+    async def busy_then_ready(*args: Any) -> str:
         attempts.append(args)
         if len(attempts) < 3:
             raise RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping.")
@@ -81,11 +83,11 @@ def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytes
 
     monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(busy_then_ready))
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
-    assert asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0)) == "dht"
+    assert asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False)) == "dht"
     attempts.clear()
     with pytest.raises(BootstrapError, match="after 2 attempts.*responded to a ping"):
         asyncio.run(SwarmNode._start_with_retries(config.model_copy(update={"bootstrap_attempts": 2}), Path("key"),
-                                                  True, Membership(), 0))
+                                                  True, Membership(), 0, False))
 
 
 def test_ttls_shorter_than_their_refresh_plus_the_admitted_offset_are_named() -> None:
