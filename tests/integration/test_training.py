@@ -41,7 +41,7 @@ def all_reached(peers: list[PeerProcess], key: str, value: int) -> bool:
 
 @pytest.mark.timeout(240)
 def test_three_peers_converge_to_the_optimum_with_identical_parameters(swarm: LocalSwarm, tmp_path: Path) -> None:
-    steps = 60
+    steps = 80  # at 60, a run whose centered_clip clipped one member in every round ended at 0.063
     def args(name: str) -> list[str]:
         return ["-o", f"training.max_steps={steps}", "-o", f"training.checkpoint.every_steps={steps}",
                 "-o", f"training.checkpoint.directory={tmp_path / name}"]
