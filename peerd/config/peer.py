@@ -98,6 +98,12 @@ class SwarmConfig(Section):
     )
     startup_timeout: float = Field(default=30.0, gt=0, description="Seconds for p2pd and the DHT to start.")
     request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
+    lookup_beam: int = Field(
+        default=10, ge=5, le=64,
+        description="Nodes nearest a key that a DHT lookup (every store and read) asks before it settles "
+        "(hivemind's beam_size). A key lives on the 5 nodes nearest it; each node asked is a libp2p stream, "
+        "and hivemind's default of 20 asks a third of a 64-peer swarm per lookup.",
+    )
 
     @field_validator("initial_peers")
     @classmethod

@@ -60,11 +60,13 @@ class InProcessDHT:
         return cls(node, p2p, visible)
 
     def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None,
-              return_future: bool = True) -> asyncio.Future[Any]:
-        return self._detached(self.node.store(key, value, expiration_time, subkey=subkey))
+              return_future: bool = True, **kwargs: Any) -> asyncio.Future[Any]:
+        """``kwargs``: as ``DHTNode.store`` takes them (e.g. ``beam_size``)."""
+        return self._detached(self.node.store(key, value, expiration_time, subkey=subkey, **kwargs))
 
-    def get(self, key: str, latest: bool = False, return_future: bool = True) -> asyncio.Future[Any]:
-        return self._detached(self.node.get(key, latest=latest))
+    def get(self, key: str, latest: bool = False, return_future: bool = True, **kwargs: Any) -> asyncio.Future[Any]:
+        """``kwargs``: as ``DHTNode.get`` takes them (e.g. ``beam_size``)."""
+        return self._detached(self.node.get(key, latest=latest, **kwargs))
 
     def run_coroutine(self, coroutine: Callable[[InProcessDHT, DHTNode], Awaitable[Any]],
                       return_future: bool = True) -> asyncio.Future[Any]:

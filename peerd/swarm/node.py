@@ -209,7 +209,8 @@ class SwarmNode:
         """Signs ``payload`` (JSON-able, naming this peer as ``peer_id``) and stores it under ``key``/``subkey``
         until ``expiration`` (DHT time); bounded by request_timeout."""
         value = self.signer.envelope(key, subkey, payload, expiration)
-        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True,
+                                beam_size=self.config.lookup_beam)
         try:
             with self.latency.timing():
                 ok = bool(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
@@ -222,7 +223,7 @@ class SwarmNode:
     async def read_entries(self, key: str) -> dict[str, tuple[object, float]]:
         """Unexpired ``subkey -> (payload, expiration)`` under ``key`` whose signature, signer and membership
         check out (others are counted and dropped); payloads are otherwise unvalidated peer data."""
-        future = self.dht.get(key, latest=True, return_future=True)
+        future = self.dht.get(key, latest=True, return_future=True, beam_size=self.config.lookup_beam)
         try:
             with self.latency.timing():
                 found = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)

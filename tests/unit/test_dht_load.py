@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from peerd.config import SwarmConfig, TrainingConfig
 from peerd.errors import TransportError
+from peerd.swarm.identity import generate_identity
 from peerd.swarm.latency import LatencyWindow
+from peerd.swarm.node import SwarmNode
 from peerd.swarm.presence import Presence
+from peerd.swarm.reach import Reachability
+from peerd.swarm.signing import RecordSigner
+from peerd.wire.membership import Membership
 from peerd.training.progress import ProgressTracker, progress_pause
 
 pytestmark = pytest.mark.timeout(30)
@@ -130,3 +137,44 @@ def test_a_failed_read_nobody_waits_for_any_more_logs_nothing() -> None:
 
     asyncio.run(scenario())
     assert [context["message"] for context in unretrieved] == []
+
+
+class _RecordingDHT:
+    """hivemind's ``DHT`` as far as ``SwarmNode.store``/``read_entries`` call it; records the lookup options."""
+
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id = peer_id
+        self.options: list[tuple[str, dict[str, Any]]] = []
+
+    def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
+              **kwargs: Any) -> Future[bool]:
+        self.options.append(("store", kwargs))
+        return _done(True)
+
+    def get(self, key: str, latest: bool = False, return_future: bool = False, **kwargs: Any) -> Future[None]:
+        self.options.append(("get", {"latest": latest, **kwargs}))
+        return _done(None)
+
+
+def _done(result: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(result)
+    return future
+
+
+def test_every_store_and_read_asks_only_the_configured_beam_of_nodes(tmp_path: Path) -> None:
+    # hivemind's lookups otherwise visit its bucket size (20) of nodes nearest the key: a third of 64 peers
+    generate_identity(tmp_path / "id")
+    signer = RecordSigner((tmp_path / "id").read_bytes(), Membership())
+    config = SwarmConfig(lookup_beam=7)
+    dht = _RecordingDHT(signer.peer_id)
+    node = SwarmNode(config, "run", dht, signer, Membership(), Reachability(config, 1))  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await node.store("run.peers", signer.peer_id, {"peer_id": signer.peer_id}, 2e9)
+        await node.read_entries("run.peers")
+
+    asyncio.run(scenario())
+    assert dht.options == [("store", {"beam_size": 7}), ("get", {"latest": True, "beam_size": 7})]
+    with pytest.raises(ValueError, match="lookup_beam"):
+        SwarmConfig(lookup_beam=4)  # fewer than the 5 nodes a key is stored on
