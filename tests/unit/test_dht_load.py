@@ -19,8 +19,8 @@ from peerd.swarm.node import SwarmNode
 from peerd.swarm.presence import Presence
 from peerd.swarm.reach import Reachability
 from peerd.swarm.signing import RecordSigner
-from peerd.wire.membership import Membership
 from peerd.training.progress import ProgressTracker, progress_pause
+from peerd.wire.membership import Membership
 
 pytestmark = pytest.mark.timeout(30)
 
