@@ -77,9 +77,8 @@ class Daemon:
             logger.info("Membership: %s; only members are served", self.membership.describe())
         for problem in ttl_margin_problems(self.config):
             logger.warning("%s", problem)
-        # a light peer has no training step for DHT traffic to wait on: its DHT needs no process of its own
         self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership,
-                                            in_process=self.config.light)
+                                            in_process=self.config.dht_in_process)
         self._on_stop("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
         self.presence = Presence(self.swarm, self.config.swarm, self.record)

@@ -46,6 +46,12 @@ class PeerdConfig(BaseSettings):
         """A peer that neither trains nor serves experts: a bootstrap or relay node, kept small."""
         return not self.training.enabled and self.experts is None
 
+    @property
+    def dht_in_process(self) -> bool:
+        """Whether hivemind's DHT node runs on the daemon's loop (``swarm.dht_host``)."""
+        host = self.swarm.dht_host
+        return host == "daemon" or (host == "auto" and self.light)
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -98,6 +98,12 @@ class SwarmConfig(Section):
     )
     startup_timeout: float = Field(default=30.0, gt=0, description="Seconds for p2pd and the DHT to start.")
     request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
+    dht_host: Literal["auto", "daemon", "child"] = Field(
+        default="auto",
+        description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process and "
+        "~20 MiB fewer). child: in hivemind's own child process, whose answers to other peers never wait on "
+        "this daemon. auto: on the loop for a light peer (no training, no experts), else in the child.",
+    )
     lookup_beam: int = Field(
         default=10, ge=5, le=64,
         description="Nodes nearest a key that a DHT lookup (every store and read) asks before it settles "

@@ -84,7 +84,8 @@ class InProcessDHT:
         """A second hivemind handle to the same p2pd, as ``hivemind.DHT`` gives: closing it leaves p2pd up."""
         return await P2P.replicate(self.p2p.daemon_listen_maddr)
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
+        """Stops the DHT node, then p2pd."""
         self._closed = True
         try:
             await self.node.shutdown()

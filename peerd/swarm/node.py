@@ -19,7 +19,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hivemind.dht import DHT
 from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
@@ -61,7 +60,7 @@ class SwarmNode:
     (only values whose signature, signer and membership check out; see ``peerd.swarm.signing``).
     """
 
-    def __init__(self, config: SwarmConfig, run_name: str, dht: DHT | InProcessDHT, signer: RecordSigner,
+    def __init__(self, config: SwarmConfig, run_name: str, dht: IsolatedDHT | InProcessDHT, signer: RecordSigner,
                  membership: Membership, reach: Reachability, ephemeral_dir: Path | None = None) -> None:
         self.config = config
         self.reach = reach
@@ -110,7 +109,7 @@ class SwarmNode:
             dht = await cls._start_with_retries(config, identity_path, fresh, membership, metrics_port,
                                                 in_process)
             if str(dht.peer_id) != signer.peer_id:
-                await _shutdown(dht)
+                await dht.close()
                 raise DaemonError(f"p2pd runs as {dht.peer_id} but the identity key is {signer.peer_id}")
         except BaseException:
             if ephemeral_dir is not None:
@@ -120,7 +119,7 @@ class SwarmNode:
 
     @classmethod
     async def _start_with_retries(cls, config: SwarmConfig, identity_path: Path, fresh_identity: bool,
-                                  membership: Membership, metrics_port: int, in_process: bool) -> DHT | InProcessDHT:
+                                  membership: Membership, metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
         delay = config.bootstrap_retry_delay
         last_error: Exception | None = None
         for attempt in range(1, config.bootstrap_attempts + 1):
@@ -152,7 +151,7 @@ class SwarmNode:
 
     @staticmethod
     async def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
-                         metrics_port: int, in_process: bool) -> DHT | InProcessDHT:
+                         metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
         relay_kwargs, p2pd_flags = p2pd_options(config, metrics_port)
         kwargs: dict[str, Any] = {
             **relay_kwargs,
@@ -301,18 +300,11 @@ class SwarmNode:
     async def shutdown(self) -> None:
         started = time.monotonic()
         try:
-            await _shutdown(self.dht)
+            await self.dht.close()
         finally:
             if self._ephemeral_dir is not None:
                 shutil.rmtree(self._ephemeral_dir, ignore_errors=True)
         logger.info("DHT and p2pd stopped in %.2fs", time.monotonic() - started)
-
-
-async def _shutdown(dht: DHT | InProcessDHT) -> None:
-    if isinstance(dht, InProcessDHT):
-        await dht.shutdown()
-    else:  # hivemind's waits for its child to stop
-        await asyncio.to_thread(dht.shutdown)
 
 
 def _short(error: BaseException | None) -> str:

@@ -11,6 +11,7 @@ process starts p2pd, so wrapping that one function here adds flags without touch
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import select
@@ -40,6 +41,10 @@ class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type informat
         gc.collect()
         gc.freeze()
         super().start()
+
+    async def close(self) -> None:
+        """Stops the child and its p2pd (hivemind's ``shutdown`` blocks until they have exited)."""
+        await asyncio.to_thread(self.shutdown)
 
     def run(self) -> None:
         os.setpgid(0, 0)

@@ -122,3 +122,13 @@ def test_cli_bad_initial_peer_is_a_readable_error() -> None:
     assert result.exit_code == 1
     assert "swarm.initial_peers[0]" in result.output and "/p2p/" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_dht_runs_on_the_daemons_loop_for_a_light_peer_unless_told_otherwise() -> None:
+    light, trainer = PeerdConfig(), PeerdConfig(training={"enabled": True})
+    assert light.light and light.dht_in_process
+    assert not trainer.light and not trainer.dht_in_process  # its answers must not wait on a training step
+    assert PeerdConfig(training={"enabled": True}, swarm={"dht_host": "daemon"}).dht_in_process
+    assert not PeerdConfig(swarm={"dht_host": "child"}).dht_in_process
+    with pytest.raises(ValueError, match="dht_host"):
+        PeerdConfig(swarm={"dht_host": "thread"})
