@@ -21,6 +21,8 @@ machine's load.
 for ``--train-seconds``; printed: rounds averaged and solo (success rate), group sizes, steps.
 
 Run: .venv/bin/python benchmarks/bench_scale.py --peers 16,32,64 [--mode light|train] [--runs 5] [-o key=value]
+from the checkout being measured: each daemon runs ``python -m peerd``, which imports peerd from the working
+directory before anything on PYTHONPATH or installed.
 """
 
 from __future__ import annotations
