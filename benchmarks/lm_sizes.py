@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from peerd.tables import format_table
-from peerd.training.lm import VOCAB, ByteTransformer
+from peerd.tasks.lm import VOCAB, ByteTransformer
 
 CODEC_BYTES_PER_ELEMENT = 1.016
 TCP_EFFICIENCY = 0.77  # peerd's 8-bit all-reduce of 4 peers at 100 Mbit/s over TCP (README, "Measurements")

@@ -144,7 +144,7 @@ class Daemon:
 
     async def _start_trainer(self) -> None:
         from peerd.experts import ExpertClient
-        from peerd.training.tasks import TaskRuntime, build_task, shard_for_peer
+        from peerd.tasks import TaskRuntime, build_task, shard_for_peer
         from peerd.training.trainer import CollaborativeTrainer
 
         assert self.swarm is not None

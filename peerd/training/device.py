@@ -44,17 +44,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it (also inside tuples, lists and dicts) on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
-    return batch
-
-
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
     """bfloat16 autocast for ``precision == 'bf16'`` (on CPU too), else nothing."""
     if precision == "bf16":

@@ -8,8 +8,8 @@ import torch
 
 from peerd.config import TrainingConfig
 from peerd.errors import ConfigError
-from peerd.training.device import autocast, flat_views, host_buffer, resolve_device, to_device
-from peerd.training.tasks import Batch, Task
+from peerd.tasks import Batch, Task, to_device
+from peerd.training.device import autocast, flat_views, host_buffer, resolve_device
 
 # Slots the optimizers peerd builds keep per parameter; state averaging averages the float ones.
 AVERAGED_SLOTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")

@@ -25,6 +25,7 @@ from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
 from peerd.errors import ConfigError, GroupFailed, PeerdError, StateError
 from peerd.swarm.node import SwarmNode
+from peerd.tasks import Batch, Task
 from peerd.training import lockstep, snapshot
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.download import StateDownloader
@@ -36,7 +37,6 @@ from peerd.training.progress import ProgressTracker, SwarmProgress, progress_pau
 from peerd.training.report import TrainingReport
 from peerd.training.state import TrainingState
 from peerd.training.sync import StateServer
-from peerd.training.tasks import Batch, Task
 from peerd.wire.codec import all_finite
 from peerd.wire.guard import StreamGuard
 

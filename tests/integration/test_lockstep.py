@@ -13,8 +13,8 @@ import torch
 
 from peerd.config import TaskConfig, TrainingConfig
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.tasks import build_task
 from peerd.training.local import make_optimizer
-from peerd.training.tasks import build_task
 from tests.conftest import REPO, model_in_checkpoint
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import torch
 
 from peerd.config import TaskConfig
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from peerd.training.tasks import build_task
+from peerd.tasks import build_task
 from tests.conftest import REPO, model_in_checkpoint
 
 pytestmark = pytest.mark.integration

@@ -192,7 +192,7 @@ def test_experts_config_uids_and_checks() -> None:
 
 
 def test_moe_lm_has_only_router_parameters_in_its_moe_blocks() -> None:
-    from peerd.training.tasks import build_task
+    from peerd.tasks import build_task
 
     options = {
         "seq_len": 16,

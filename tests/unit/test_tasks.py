@@ -1,4 +1,4 @@
-"""Tests of the training workloads (peerd.training): determinism, sharding, convergence and config errors."""
+"""Tests of the training workloads (peerd.tasks): determinism, sharding, convergence and config errors."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-import peerd.training.tasks as tasks_module
 from peerd.config import TaskConfig
 from peerd.errors import ConfigError
-from peerd.training import Task, build_task, derive_seed, shard_for_peer
-from peerd.training.lm import LMTask, stdlib_sources
+from peerd.tasks import Task, build_task, derive_seed, shard_for_peer
+from peerd.tasks.lm import LMTask, stdlib_sources
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -188,9 +188,9 @@ def test_unknown_builtin_and_out_of_range_shard_are_config_errors() -> None:
 
 @pytest.fixture
 def custom_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A module with the docstring's example task and misbehaving factories; one that fails to import."""
-    docstring = tasks_module.__doc__ or ""
-    example = textwrap.dedent(docstring.split('``name: "mytasks:line"``::\n')[1].split("\nExceptions")[0])
+    """A module with the docs page's example task and misbehaving factories; one that fails to import."""
+    page = (REPO / "docs" / "your-model.md").read_text()
+    example = page.split("<!-- custom-task-example -->\n```python\n")[1].split("```")[0]
     (tmp_path / f"{CUSTOM_MODULE}.py").write_text(
         example
         + textwrap.dedent(
@@ -215,7 +215,7 @@ def custom_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 
 @pytest.mark.usefixtures("custom_modules")
-def test_custom_task_from_the_docstring_example() -> None:
+def test_custom_task_from_the_docs_example() -> None:
     task = build(f"{CUSTOM_MODULE}:line", seed=7, shard=1, num_shards=2)
     assert isinstance(task, Task) and task.fingerprint
     assert task.fingerprint == build(f"{CUSTOM_MODULE}:line", seed=7, shard=0, num_shards=2).fingerprint
@@ -244,7 +244,7 @@ def test_custom_task_from_the_docstring_example() -> None:
         (f"{BROKEN_MODULE}:make", "RuntimeError: boom at import"),
         (f"{CUSTOM_MODULE}:missing", "has no attribute 'missing'"),
         (f"{CUSTOM_MODULE}:not_callable", "non-callable attribute 'not_callable'"),
-        (f"{CUSTOM_MODULE}:not_a_task", "returned Linear, not a peerd.training.Task"),
+        (f"{CUSTOM_MODULE}:not_a_task", "returned Linear, not a peerd.tasks.Task"),
     ],
 )
 def test_bad_custom_task_names_are_config_errors(name: str, message: str) -> None:

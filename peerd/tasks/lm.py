@@ -12,7 +12,7 @@ files; that changes their data, never the model.
 
 The MoE variant (option ``moe``, a :class:`~peerd.config.MoEConfig`) replaces the feed-forward of blocks
 ``moe.layers`` with a :class:`~peerd.experts.RemoteMoE` whose experts are served by peers; the daemon lends the
-layers its expert client through :class:`~peerd.training.tasks.TaskRuntime`. The model's own parameters are
+layers its expert client through :class:`~peerd.tasks.base.TaskRuntime`. The model's own parameters are
 then the router's, never the experts'.
 """
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from peerd.config import MoEConfig
 from peerd.errors import ConfigError
-from peerd.training.tasks import OPTIONS_FIELD, Task, TaskRuntime, derive_seed, parse_options, seeded_module
+from peerd.tasks.base import OPTIONS_FIELD, Task, TaskRuntime, derive_seed, parse_options, seeded_module
 
 __all__ = ["VOCAB", "ByteTransformer", "LMOptions", "LMTask", "build_lm", "dense_ffn", "stdlib_sources"]
 
@@ -279,8 +279,10 @@ def _build_model(options: LMOptions, ffn_factory: FFNFactory, runtime: TaskRunti
 
 def build_lm(
     options: Mapping[str, Any], seed: int, shard_index: int, num_shards: int, runtime: TaskRuntime | None = None
-) -> tuple[LMTask, dict[str, Any]]:
-    """The task and its options after defaults (for the fingerprint). ``runtime`` lends the remote MoE layers
-    of the ``moe`` variant their expert client."""
+) -> LMTask:
+    """The ``lm`` task; its identity is its options after defaults. ``runtime`` lends the remote MoE layers of
+    the ``moe`` variant their expert client."""
     parsed = parse_options(LMOptions, options)
-    return LMTask(parsed, seed, shard_index, num_shards, runtime=runtime), parsed.model_dump()
+    task = LMTask(parsed, seed, shard_index, num_shards, runtime=runtime)
+    task.identity = parsed.model_dump()
+    return task

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from peerd.training.tasks import Task, derive_seed, parse_options, seeded_module
+from peerd.tasks.base import Task, derive_seed, parse_options, seeded_module
 
 __all__ = ["SyntheticOptions", "SyntheticTask", "build_synthetic"]
 
@@ -74,9 +74,9 @@ class SyntheticTask(Task):
         return self._validation
 
 
-def build_synthetic(
-    options: Mapping[str, Any], seed: int, shard_index: int
-) -> tuple[SyntheticTask, dict[str, Any]]:
-    """The task and its options after defaults (for the fingerprint)."""
+def build_synthetic(options: Mapping[str, Any], seed: int, shard_index: int, num_shards: int) -> SyntheticTask:
+    """The ``synthetic`` task; its identity is its options after defaults."""
     parsed = parse_options(SyntheticOptions, options)
-    return SyntheticTask(parsed, seed, shard_index), parsed.model_dump()
+    task = SyntheticTask(parsed, seed, shard_index)
+    task.identity = parsed.model_dump()
+    return task
