@@ -1,4 +1,4 @@
-"""The `peerd` command: start, status, keygen, config validate/show, swarm.
+"""The `peerd` command: start, status, keygen, export, config validate/show, swarm.
 
 Flags are few and stable; anything else is set in YAML, in ``PEERD_*`` env variables, or with
 ``-o section.key=value``. Every PeerdError becomes one readable message on stderr and exit code 1
@@ -150,6 +150,26 @@ def keygen(path: Path | None, secret_path: Path | None, force: bool) -> None:
                        f"and start each peer with --swarm-secret {secret_path}", err=True)
     except PeerdError as e:
         _fail(e)
+
+
+@cli.command("export")
+@click.option("--checkpoint", "checkpoint_dir", type=click.Path(path_type=Path), required=True,
+              help="A peer's checkpoint directory (training.checkpoint.directory).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="A new or empty directory to write.")
+@click.option("--step", type=click.IntRange(min=0), help="Export this step's checkpoint instead of the newest.")
+@click.option("--merge", is_flag=True,
+              help="LoRA runs: write the base model with the adapters merged in (the adapters under adapter/).")
+def export(checkpoint_dir: Path, out: Path, step: int | None, merge: bool) -> None:
+    """Write the trained model of a checkpoint where other tools load it: for the hf task a directory that
+    transformers' from_pretrained loads (a LoRA run: the adapter peft loads), for other tasks model.safetensors
+    and task.json. A diloco run exports the swarm's shared parameters."""
+    try:
+        from peerd.training.export import export_checkpoint
+
+        source = export_checkpoint(checkpoint_dir, out, step, merge)
+    except PeerdError as e:
+        _fail(e)
+    click.echo(f"exported {source} to {out}")
 
 
 @cli.group()

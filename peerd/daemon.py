@@ -108,6 +108,11 @@ class Daemon:
             from peerd.training.checkpoint import check_directory
 
             await asyncio.to_thread(check_directory, checkpoints)
+        export = self.config.training.export.directory
+        if self.config.training.enabled and export is not None:
+            from peerd.training.export import check_export_directory
+
+            await asyncio.to_thread(check_export_directory, export, "training.export.directory")
 
     async def _p2p_handle(self) -> P2P:
         """hivemind's P2P handle to the DHT's p2pd, opened once."""

@@ -95,6 +95,14 @@ def format_status(data: dict[str, Any]) -> str:
     training = data.get("training")
     if training:
         lines.append(f"training:  {training.get('mode')} | {format_progress(training)}")
+        trainable, total = training.get("parameters") or 0, training.get("model_parameters") or 0
+        if total > trainable:  # e.g. LoRA: only the adapters are averaged
+            line = f"model:     {trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
+            moved = training.get("round_bytes")
+            if moved:
+                line += (f"; a round moves {moved['trainable'] / 2**10:,.0f} KiB, against "
+                         f"~{moved['all_parameters'] / 2**10:,.0f} KiB training all of them")
+            lines.append(line)
         averaging = training.get("averaging") or {}
         if averaging.get("stalled"):
             lines.append(f"WARNING:   averaging has stopped: {averaging.get('failed_streak')} rounds in "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs peerd with its test extras. Idempotent; safe to re-run after pulling.
+# Creates .venv and installs peerd with its test and hf (Hugging Face task) extras. Idempotent; safe to
+# re-run after pulling.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,5 +20,5 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install "setuptools>=77" wheel "grpcio-tools==1.85.1" "torch==2.13.0"
-pip_install --no-build-isolation -e ".[test]"
+pip_install --no-build-isolation -e ".[test,hf]"
 

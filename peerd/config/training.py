@@ -154,6 +154,22 @@ class CheckpointConfig(Section):
     keep: int = Field(default=3, ge=1, description="How many of the newest checkpoints to keep.")
 
 
+class ExportConfig(Section):
+    """Writing the trained model out when the run ends (``peerd export`` does the same from a checkpoint)."""
+
+    directory: Path | None = Field(
+        default=None,
+        description="Where the trainer exports the model when it reaches training.max_steps: a new or empty "
+        "directory (the hf task: one from_pretrained loads; other tasks: model.safetensors and task.json). "
+        "null: no export.",
+    )
+    merge_lora: bool = Field(
+        default=False,
+        description="LoRA runs: export the base model with the adapters merged in (the adapters themselves "
+        "under adapter/) instead of the adapters alone.",
+    )
+
+
 class TrainingConfig(Section):
     """Collaborative training; only peers with ``enabled: true`` train."""
 
@@ -217,6 +233,7 @@ class TrainingConfig(Section):
     max_state_bytes: int = Field(default=2**31, ge=1024, description="Largest state accepted from a peer.")
     state_transfer: StateTransferConfig = Field(default_factory=StateTransferConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     resume: bool = Field(default=False, description="Start from the newest usable checkpoint (--resume).")
 
     @model_validator(mode="after")
@@ -230,6 +247,9 @@ class TrainingConfig(Section):
                 "training.diloco.phase_end: lockstep (each peer takes exactly inner_steps steps): unset "
                 "training.samples_per_step"
             )
+        if self.export.directory is not None and self.max_steps is None:
+            raise ValueError("training.export.directory is written when training reaches training.max_steps: set "
+                             "max_steps (or export a checkpoint with `peerd export`)")
         if self.resume and self.checkpoint.directory is None:
             raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
         if self.progress_ttl <= self.progress_period:

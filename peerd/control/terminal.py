@@ -45,7 +45,9 @@ def format_progress(training: Mapping[str, Any]) -> str:
         f"loss {_fmt(training.get('loss'), '.4f')}",
         f"val {_fmt(training.get('validation_loss'), '.4f')}",
         (f"{_fmt(training.get('samples_per_second'), '.1f')} samples/s "
-         f"(swarm {_fmt(training.get('swarm_samples_per_second'), '.1f')})"),
+         f"(swarm {_fmt(training.get('swarm_samples_per_second'), '.1f')})"
+         + (f", {_fmt(training.get('tokens_per_second'), '.0f')} tokens/s" if training.get("tokens_per_second")
+            else "")),
         f"{peers} peer{'' if peers == 1 else 's'}",
         f"rounds {training.get('rounds_ok', 0)} ok/{training.get('rounds_solo', 0)} solo"
         + (" (AVERAGING STOPPED)" if (training.get("averaging") or {}).get("stalled") else ""),

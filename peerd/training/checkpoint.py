@@ -1,9 +1,11 @@
 """Checkpoint files of a :class:`~peerd.training.state.TrainingState`, and periodic checkpoints with resuming.
 
-A file is ``torch.save`` of a plain dict ``{format, version: 2, fingerprint, step, tensors}``, written
+A file is ``torch.save`` of a plain dict ``{format, version: 2, fingerprint, step, tensors, meta}``, written
 atomically (a temporary file, fsync, rename) and read back with ``weights_only=True`` (no pickle code runs),
 then checked against the reader's template. :class:`Checkpointer` keeps the newest ``keep`` files and resumes
 from the newest usable one: a truncated or foreign newest file is reported and the previous one is used.
+``meta`` is what ``peerd export`` needs to write the model out without the peer: the task's config and the
+names of the trainable parameters in the order of flat layouts (diloco's ``outer/shared``).
 
 The directory is probed once at daemon start (:func:`check_directory`), so a path the peer cannot write is
 refused before it trains; a write that fails later (disk full, permission taken away) costs only that checkpoint.
@@ -25,7 +27,7 @@ from peerd.config import CheckpointConfig
 from peerd.errors import ConfigError, StateError
 from peerd.training.state import Template, TrainingState, check_state
 
-__all__ = ["Checkpointer", "check_directory", "load_state", "save_state"]
+__all__ = ["PATTERN", "Checkpointer", "check_directory", "load_state", "read_checkpoint", "save_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +36,14 @@ FORMAT = "peerd.training-state"
 VERSION = 2
 
 
-def save_state(path: Path, state: TrainingState, fingerprint: str) -> None:
-    """Writes ``state`` to ``path`` atomically: readers see the old file or the new one, never half of one."""
+def save_state(path: Path, state: TrainingState, fingerprint: str, meta: dict[str, Any] | None = None) -> None:
+    """Writes ``state`` to ``path`` atomically: readers see the old file or the new one, never half of one.
+    ``meta``: plain data (strings, numbers, lists, dicts) stored beside the tensors for ``peerd export``."""
     partial = path.with_name(path.name + ".partial")
     try:
         with open(partial, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "step": state.step,
-                        "tensors": state.tensors}, f)
+                        "tensors": state.tensors, "meta": meta or {}}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
@@ -51,9 +54,9 @@ def save_state(path: Path, state: TrainingState, fingerprint: str) -> None:
     _fsync_directory(path.parent)  # the rename itself survives a power cut
 
 
-def load_state(file: Path | IO[bytes], template: Template, fingerprint: str, source: str | None = None) -> TrainingState:
-    """The state in ``file``, checked against ``template``; StateError naming ``source`` (default: the path)
-    if it is unreadable, of another format, version or fingerprint, or does not fit the template."""
+def read_checkpoint(file: Path | IO[bytes], source: str | None = None) -> dict[str, Any]:
+    """The plain dict in a checkpoint ``file`` after checking its format and version; StateError naming
+    ``source`` (default: the path) otherwise. Its tensors are not yet checked against anything."""
     source = source or str(file)
     try:
         data = torch.load(file, weights_only=True, map_location="cpu")
@@ -70,13 +73,20 @@ def load_state(file: Path | IO[bytes], template: Template, fingerprint: str, sou
     if not _is(version, VERSION):
         raise StateError(f"{source}: state format version {_short(version)}, this peerd reads {VERSION}",
                          source=source)
+    if not isinstance(data.get("tensors"), dict):
+        raise StateError(f"{source}: no tensors", source=source)
+    return data
+
+
+def load_state(file: Path | IO[bytes], template: Template, fingerprint: str, source: str | None = None) -> TrainingState:
+    """The state in ``file``, checked against ``template``; StateError naming ``source`` (default: the path)
+    if it is unreadable, of another format, version or fingerprint, or does not fit the template."""
+    source = source or str(file)
+    data = read_checkpoint(file, source)
     if not _is(data.get("fingerprint"), fingerprint):
         raise StateError(f"{source}: state of another model/config (fingerprint {_short(data.get('fingerprint'))}, "
                          f"ours {fingerprint})", source=source)
-    tensors = data.get("tensors")
-    if not isinstance(tensors, dict):
-        raise StateError(f"{source}: no tensors", source=source)
-    state = TrainingState(data.get("step"), tensors)  # type: ignore[arg-type]  # check_state checks both
+    state = TrainingState(data.get("step"), data["tensors"])  # type: ignore[arg-type]  # check_state checks both
     check_state(state, template, source)
     return state
 
@@ -120,9 +130,11 @@ def _fsync_directory(directory: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, config: CheckpointConfig, directory: Path) -> None:
+    def __init__(self, config: CheckpointConfig, directory: Path, meta: dict[str, Any] | None = None) -> None:
+        """``meta``: stored in every checkpoint (:func:`save_state`)."""
         self.config = config
         self.directory = directory
+        self.meta = meta
 
     def files(self) -> list[Path]:
         """Checkpoints, newest step first."""
@@ -138,7 +150,7 @@ class Checkpointer:
         final = self.directory / f"ckpt-{state.step:09d}.pt"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            save_state(final, state, fingerprint)
+            save_state(final, state, fingerprint, self.meta)
         except OSError as e:
             good = self.files()
             logger.error("Checkpoint of step %d to %s failed: %s; training goes on (newest good checkpoint: %s)",

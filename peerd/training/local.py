@@ -60,6 +60,10 @@ class LocalModel:
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
+        # Frozen weights (a LoRA run's base model) are loaded alike by every peer and never change: they are
+        # neither averaged nor part of the state that joiners download and checkpoints hold.
+        self.frozen = {name for name, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self.total_numel = sum(p.numel() for p in self.model.parameters())
         self.optimizer = make_optimizer(config, self.model)
         init_slots(self.optimizer)
         self.numel = sum(p.numel() for p in self.params)
@@ -178,9 +182,9 @@ class LocalModel:
             t.copy_(part)
 
     def named_state(self) -> dict[str, torch.Tensor]:
-        """The live tensors a training state holds, by stable name: ``model/<state_dict key>`` and
-        ``inner/<parameter index>/<slot>`` (the same on every peer with the same fingerprint)."""
-        tensors = {"model/" + name: t for name, t in self.model.state_dict().items()}
+        """The live tensors a training state holds, by stable name: ``model/<state_dict key>`` (frozen weights
+        left out) and ``inner/<parameter index>/<slot>`` (the same on every peer with the same fingerprint)."""
+        tensors = {"model/" + name: t for name, t in self.model.state_dict().items() if name not in self.frozen}
         for i, p in enumerate(self.params):
             for slot, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):

@@ -24,7 +24,9 @@ ROUND_HISTORY = 20
 @dataclass
 class TrainingReport:
     fingerprint: str
-    parameters: int
+    parameters: int  # trainable: what rounds average
+    model_parameters: int = 0  # all of them, frozen ones (a LoRA run's base model) included
+    tokens_per_sample: int | None = None  # language-model tasks: tokens per sequence
     mode: str = "sync"
     device: str = "cpu"
     precision: str = "fp32"
@@ -165,10 +167,23 @@ class TrainingReport:
             "rounds": list(self.rounds),
         }
 
+    def round_bytes(self) -> dict[str, int] | None:
+        """Bytes this peer's last gradient round moved (sent and received), and what the same round would move
+        if every parameter trained: the saving of training only some of them (LoRA adapters)."""
+        if self.last_round is None or not self.parameters:
+            return None
+        moved = int(self.last_round["bytes_sent"]) + int(self.last_round["bytes_received"])
+        full = moved * max(self.model_parameters, self.parameters) // self.parameters
+        return {"trainable": moved, "all_parameters": full}
+
     def as_dict(self) -> dict[str, Any]:
+        tokens = self.tokens_per_sample
         return {
             "fingerprint": self.fingerprint,
             "parameters": self.parameters,
+            "model_parameters": self.model_parameters or self.parameters,
+            "round_bytes": self.round_bytes(),
+            "tokens_per_second": round(self.samples_per_second * tokens, 1) if tokens else None,
             "mode": self.mode,
             "device": self.device,
             "precision": self.precision,

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from peerd.tasks import Batch, Task
 from peerd.training import lockstep, snapshot
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.download import StateDownloader
+from peerd.training.export import artifacts_directory, export_task_state
 from peerd.training.health import AveragingHealth
 from peerd.training.local import LocalModel
 from peerd.training.outer import OuterState
@@ -83,8 +85,12 @@ class CollaborativeTrainer:
         self.state_server = StateServer(guard, task.fingerprint, self._serve_state,
                                         max_transfers=transfer.max_transfers, stall_timeout=transfer.stall_timeout)
         directory = config.checkpoint.directory
-        self.checkpointer = Checkpointer(config.checkpoint, directory) if directory is not None else None
-        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel, mode=config.mode,
+        # what `peerd export` needs to write the model out of a checkpoint without this peer
+        meta = {"task": config.task.model_dump(mode="json"), "parameters": self.local.param_names}
+        self.checkpointer = Checkpointer(config.checkpoint, directory, meta) if directory is not None else None
+        self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel,
+                                     model_parameters=self.local.total_numel,
+                                     tokens_per_sample=task.tokens_per_sample, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision,
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
@@ -103,6 +109,9 @@ class CollaborativeTrainer:
             if state is not None:
                 await asyncio.to_thread(snapshot.restore, self.local, self.outer, state)
                 self.step = state.step
+        if self.checkpointer is not None:
+            artifacts = artifacts_directory(self.checkpointer.directory, self.task.fingerprint)
+            await asyncio.to_thread(self.task.save_artifacts, artifacts)
         for server in (self.reducer, self.state_server):
             await server.start()
         await self.publish()
@@ -132,6 +141,8 @@ class CollaborativeTrainer:
                             await self.checkpoint()
                     if self.report.validation_step != self.step or self.outer is not None:
                         await self.validate()  # e.g. the last step came from a state sync
+                    if self.config.export.directory is not None:
+                        await self.export(self.config.export.directory)
                     self.report.state = "idle"
                     self.report.stop_clock()  # utilisation covers the training, not the idle time after it
                     await stop.wait()
@@ -181,7 +192,8 @@ class CollaborativeTrainer:
             await self._sync_from_swarm()
 
     async def _micro_step(self) -> None:
-        batch = next(self._batches)
+        # off the loop: a task's data pipeline may read and tokenize files to make the next batch
+        batch = await asyncio.to_thread(next, self._batches)
         async with self.step_lock:  # diloco: a landing outer update must not move the weights mid-step
             started = time.monotonic()
             loss, samples, refused = await asyncio.to_thread(self._compute, batch)
@@ -307,6 +319,19 @@ class CollaborativeTrainer:
         path = await asyncio.to_thread(self.checkpointer.save, state, self.task.fingerprint)
         if path is not None:  # a failed write was logged by the checkpointer
             logger.info("Checkpoint %s", path)
+
+    async def export(self, out: Path) -> None:
+        """Writes the model as :mod:`peerd.training.export` does (diloco: the shared parameters); a failure is
+        logged, and the checkpoints are still there to export from."""
+        async with self.step_lock:
+            state = await asyncio.to_thread(snapshot.capture, self.local, self.outer, self.step, True)
+        try:
+            await asyncio.to_thread(export_task_state, self.task, self.config.task, state, out,
+                                    self.config.export.merge_lora)
+        except (PeerdError, OSError) as e:
+            logger.error("Export of step %d to %s failed: %s", self.step, out, e)
+            return
+        logger.info("Exported the model at step %d to %s", self.step, out)
 
     async def validate(self) -> None:
         async with self.step_lock:  # a diloco round landing meanwhile would change the weights mid-pass

@@ -1,0 +1,223 @@
+"""The ``hf`` task's text: files or a Hub data set, streamed through ``datasets``, tokenized, packed, dealt.
+
+Every peer reads the same records in the same order: the files in the order given (each glob sorted), a record
+per JSON line or Parquet row (its ``field``), or per block of whole lines of plain text (about
+``text_block_chars``, never across files), or the Hub data set's rows. The first records, as many as it takes to
+pack ``val_batches * batch_size`` sequences, hold the validation set, identical on every peer; the records after
+them are dealt round-robin, record ``i`` to shard ``i % num_shards``, so shards are disjoint from each other and
+from validation. A peer tokenizes only its own records, packs their tokens (an end-of-text token after each
+document) into ``seq_len`` sequences and shuffles them in a bounded buffer; nothing holds more than that buffer,
+so a corpus of any size streams. Every epoch replays the shard, reshuffled.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peerd.errors import ConfigError
+from peerd.tasks.base import OPTIONS_FIELD, derive_seed
+from peerd.tasks.hf.options import STDLIB, DataOptions
+
+__all__ = ["Corpus", "resolve_files"]
+
+FIELD = f"{OPTIONS_FIELD}.data"
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TOKENIZE_RECORDS = 64  # records per call of the tokenizer: its batched call is several times faster than one by one
+Record = tuple[str, bool]  # text, and whether it ends a document
+
+
+def resolve_files(options: DataOptions) -> list[tuple[Path, str]]:
+    """Every data file with its format, in reading order; ConfigError naming the pattern or file that is
+    missing or empty, so a typo stops the peer before it trains."""
+    found: list[tuple[Path, str]] = []
+    seen: set[Path] = set()
+    for pattern in options.files:
+        expanded = os.path.expanduser(pattern.replace(STDLIB, sysconfig.get_paths()["stdlib"]))
+        if glob.has_magic(expanded):
+            paths = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+            if not paths:
+                raise ConfigError(f"{FIELD}.files: {pattern!r} matches no file", field=f"{FIELD}.files")
+        else:
+            paths = [Path(expanded)]
+        for path in paths:
+            if not path.is_file():
+                what = "is not a file" if path.exists() else "does not exist"
+                raise ConfigError(f"data file {path} {what} ({FIELD}.files)", field=f"{FIELD}.files", path=str(path))
+            if path.stat().st_size == 0:
+                raise ConfigError(f"data file {path} is empty ({FIELD}.files)", field=f"{FIELD}.files", path=str(path))
+            if path not in seen:
+                seen.add(path)
+                fmt = options.format if options.format != "auto" else FORMATS.get(path.suffix.lower(), "text")
+                found.append((path, fmt))
+    return found
+
+
+class Corpus:
+    """The records of the configured data, tokenized and packed into sequences; see the module docstring."""
+
+    def __init__(self, options: DataOptions, files: list[tuple[Path, str]], tokenizer: Any, seq_len: int,
+                 seed: int) -> None:
+        """``files``: :func:`resolve_files` of ``options`` (empty for a Hub data set)."""
+        self.options = options
+        self.files = files
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.seed = seed
+        self.eos: list[int] = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.held_out = 0  # records that hold the validation set, set by validation()
+
+    # --- records ------------------------------------------------------------------------------------------------
+
+    def records(self) -> Iterator[Record]:
+        if self.options.dataset is not None:
+            yield from self._hub_records()
+            return
+        for path, fmt in self.files:
+            try:
+                yield from self._text_blocks(path) if fmt == "text" else self._field_values(path, fmt)
+            except ConfigError:
+                raise
+            except Exception as e:  # pyarrow, json and datasets raise many types for a malformed file
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                raise ConfigError(f"data file {path}: not readable as {fmt}: {first}", field=f"{FIELD}.files",
+                                  path=str(path)) from e
+
+    def _open(self, path: Path, fmt: str, **kwargs: Any) -> Iterable[dict[str, Any]]:
+        import datasets
+
+        stream: Iterable[dict[str, Any]] = datasets.load_dataset(
+            fmt, data_files=[str(path)], split="train", streaming=True, **kwargs
+        )
+        return stream
+
+    def _text_blocks(self, path: Path) -> Iterator[Record]:
+        pending: str | None = None  # one block held back, so the file's last block can say it ends a document
+        parts: list[str] = []
+        size = 0
+        for row in self._open(path, "text", keep_linebreaks=True):
+            parts.append(row["text"])
+            size += len(row["text"])
+            if size >= self.options.text_block_chars:
+                if pending is not None:
+                    yield pending, False
+                pending, parts, size = "".join(parts), [], 0
+        if parts:
+            if pending is not None:
+                yield pending, False
+            pending = "".join(parts)
+        if pending is not None:
+            yield pending, True
+
+    def _field_values(self, path: Path, fmt: str) -> Iterator[Record]:
+        field = self.options.field
+        for number, row in enumerate(self._open(path, fmt), start=1):
+            value = row.get(field)
+            if not isinstance(value, str):
+                problem = (f"has no field {field!r} (its fields: {', '.join(map(str, row))})" if field not in row
+                           else f"has a {type(value).__name__} in field {field!r}, not text")
+                raise ConfigError(f"data file {path}: record {number} {problem} ({FIELD}.field)",
+                                  field=f"{FIELD}.field", path=str(path))
+            yield value, True
+
+    def _hub_records(self) -> Iterator[Record]:
+        import datasets
+
+        options, field = self.options, self.options.field
+        try:
+            stream = datasets.load_dataset(options.dataset, name=options.dataset_config, split=options.split,
+                                           revision=options.revision, streaming=True)
+            for number, row in enumerate(stream, start=1):
+                value = row.get(field)
+                if not isinstance(value, str):
+                    raise ConfigError(f"{FIELD}.dataset {options.dataset!r}: row {number} has no text field "
+                                      f"{field!r} (its fields: {', '.join(map(str, row))})", field=f"{FIELD}.field")
+                yield value, True
+        except ConfigError:
+            raise
+        except Exception as e:  # offline, unknown id, gated: datasets raises many types
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{FIELD}.dataset {options.dataset!r} could not be read: {first}",
+                              field=f"{FIELD}.dataset") from e
+
+    # --- tokens and sequences ---------------------------------------------------------------------------------
+
+    def _tokens(self, records: Iterable[Record]) -> Iterator[list[int]]:
+        """Token ids per record, an end-of-text token after each document; tokenized in batches."""
+        batch: list[Record] = []
+        for record in records:
+            batch.append(record)
+            if len(batch) == TOKENIZE_RECORDS:
+                yield from self._tokenize(batch)
+                batch = []
+        if batch:
+            yield from self._tokenize(batch)
+
+    def _tokenize(self, batch: list[Record]) -> Iterator[list[int]]:
+        ids = self.tokenizer([text for text, _ in batch], add_special_tokens=False)["input_ids"]
+        for tokens, (_, ends) in zip(ids, batch, strict=True):
+            yield tokens + self.eos if ends else tokens
+
+    def _pack(self, token_lists: Iterable[list[int]]) -> Iterator[list[int]]:
+        buffer: list[int] = []
+        for tokens in token_lists:
+            buffer.extend(tokens)
+            if len(buffer) >= self.seq_len:
+                whole = len(buffer) - len(buffer) % self.seq_len
+                for at in range(0, whole, self.seq_len):
+                    yield buffer[at : at + self.seq_len]
+                del buffer[:whole]
+
+    def validation(self, count: int) -> torch.Tensor:
+        """The first ``count`` sequences of the data, ``(count, seq_len)``; remembers how many records they took
+        so that training never reads them."""
+        used = 0
+
+        def tokens() -> Iterator[list[int]]:
+            nonlocal used
+            for record in self.records():  # one at a time: the records after the last sequence stay unread
+                used += 1
+                yield from self._tokenize([record])
+
+        sequences = list(itertools.islice(self._pack(tokens()), count))
+        if len(sequences) < count:
+            raise ConfigError(
+                f"the data holds {len(sequences)} sequences of seq_len {self.seq_len}, fewer than the {count} the "
+                f"validation set alone needs (val_batches x batch_size): add data, or lower "
+                f"{OPTIONS_FIELD}.val_batches or {OPTIONS_FIELD}.seq_len", field=f"{OPTIONS_FIELD}.val_batches"
+            )
+        self.held_out = used
+        return torch.tensor(sequences, dtype=torch.long)
+
+    def train_sequences(self, shard: int, num_shards: int, epoch: int) -> Iterator[list[int]]:
+        """This shard's sequences for one epoch, shuffled within the buffer."""
+        def dealt() -> Iterator[Record]:
+            for index, record in enumerate(self.records()):
+                if index >= self.held_out and (index - self.held_out) % num_shards == shard:
+                    yield record
+
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "shuffle", shard, epoch))
+        yield from shuffled(self._pack(self._tokens(dealt())), self.options.shuffle_buffer, generator)
+
+
+def shuffled(items: Iterable[list[int]], buffer_size: int, generator: torch.Generator) -> Iterator[list[int]]:
+    """``items`` in a random order drawn from ``generator``, holding at most ``buffer_size`` of them at once."""
+    buffer: list[list[int]] = []
+    for item in items:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        at = int(torch.randint(buffer_size, (1,), generator=generator))
+        buffer[at], item = item, buffer[at]
+        yield item
+    while buffer:
+        at = int(torch.randint(len(buffer), (1,), generator=generator))
+        buffer[at], buffer[-1] = buffer[-1], buffer[at]
+        yield buffer.pop()
