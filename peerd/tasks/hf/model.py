@@ -19,8 +19,8 @@ __all__ = ["Source", "check_fit", "identity", "load_model", "load_tokenizer", "l
 # Elements of each tensor that go into the weights digest: enough that two revisions of a model (which differ in
 # nearly every element) never match, few enough that hashing a model of billions of parameters takes no time.
 DIGEST_SAMPLES = 256
-# Config keys that say where or by which version a model was saved, not what it is.
-VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
+# Config keys that say where or by which version a model was saved, or how it runs, not what it is.
+VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "use_cache")
 
 
 class Source:
@@ -142,13 +142,15 @@ def check_fit(options: HFOptions, model: Any, tokenizer: Any, tokenizer_source: 
 def identity(options: HFOptions, model: Any, tokenizer: Any) -> dict[str, Any]:
     """What makes two peers' models differ, beyond parameter names and shapes: where the weights come from (a Hub
     id, revision and commit; a local directory counts by content, not by path), the config, a digest of the
-    weights and of the tokenizer's vocabulary, and the options that shape training. Data paths are left out:
-    each machine keeps its files where it likes."""
+    weights and of the tokenizer's vocabulary, and the options that shape training. Data paths are left out
+    (each machine keeps its files where it likes), as is gradient checkpointing (the same gradients, computed
+    with less memory)."""
     config = {key: value for key, value in base_config(model).to_dict().items() if key not in VOLATILE_CONFIG_KEYS}
     source = resolve_source(options)
     hub = None if source is None or source.local else {
         "id": source.name, "revision": source.revision, "commit": getattr(base_config(model), "_commit_hash", None)}
-    shaping = options.model_dump(exclude={"model", "revision", "tokenizer", "tokenizer_revision", "data", "config"})
+    shaping = options.model_dump(exclude={"model", "revision", "tokenizer", "tokenizer_revision", "data", "config",
+                                          "gradient_checkpointing"})
     return {"source": "config" if options.config is not None else "pretrained", "hub": hub, "config": config,
             "weights": weights_digest(model), "tokenizer": tokenizer_digest(tokenizer), "options": shaping}
 
