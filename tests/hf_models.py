@@ -12,8 +12,7 @@ TINY_LLAMA: dict[str, Any] = {
     "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128,
 }
-WORDS = ("peer swarm model average gradient tensor shard round group weight token loss step daemon record "
-         "train data file batch export adapter").split()
+WORDS = ["peer", "swarm", "model", "average", "gradient", "tensor", "shard", "round", "group", "weight", "token", "loss", "step", "daemon", "record", "train", "data", "file", "batch", "export", "adapter"]
 
 
 def sentences(count: int, seed: int = 0) -> list[str]:

@@ -15,7 +15,15 @@ from peerd.errors import ConfigError
 from peerd.tasks import build_task
 from peerd.tasks.hf.task import HFTask
 from peerd.training.local import LocalModel
-from tests.hf_models import TINY_LLAMA, make_model, make_tokenizer, sentences, write_jsonl, write_parquet, write_text
+from tests.hf_models import (
+    TINY_LLAMA,
+    make_model,
+    make_tokenizer,
+    sentences,
+    write_jsonl,
+    write_parquet,
+    write_text,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
