@@ -184,10 +184,13 @@ class PeerProcess:
 class LocalSwarm:
     """N peers on loopback; peer 0 is the bootstrap, the rest join through its first visible address."""
 
-    def __init__(self, config_path: Path, log_dir: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, config_path: Path, log_dir: Path | None = None, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        """``env``: added to every peer's environment (each gets ``OMP_NUM_THREADS=1`` unless it says else)."""
         self.config_path = config_path
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))
         self.extra_args = list(extra_args)
+        self.env = env
         self.peers: list[PeerProcess] = []
 
     def spawn_peer(self, extra_args: Sequence[str] = ()) -> PeerProcess:
@@ -195,7 +198,7 @@ class LocalSwarm:
         args = ["--config", str(self.config_path), "--control-port", "0", *self.extra_args, *extra_args]
         if self.peers:
             args += ["--initial-peers", self.peers[0].ready["maddrs"][0]]
-        peer = PeerProcess(f"peer{len(self.peers)}", args, self.log_dir)
+        peer = PeerProcess(f"peer{len(self.peers)}", args, self.log_dir, env=self.env)
         self.peers.append(peer)
         return peer
 

@@ -35,8 +35,9 @@ class TrainingReport:
     loss: float | None = None  # exponential moving average of micro-batch losses
     validation_loss: float | None = None
     validation_step: int | None = None
-    samples_per_second: float = 0.0
+    samples_per_second: float = 0.0  # while computing (the window's samples over its compute seconds)
     swarm_samples_per_second: float = 0.0
+    samples_trained: int = 0  # by this peer, since it started
     peers_training: int = 0
     rounds_ok: int = 0
     rounds_solo: int = 0
@@ -72,6 +73,7 @@ class TrainingReport:
 
     def record_loss(self, loss: float, samples: int, seconds: float) -> None:
         current = time.time()
+        self.samples_trained += samples
         self.loss = loss if self.loss is None else 0.95 * self.loss + 0.05 * loss
         self.losses.append((current, self.step, loss))
         if self._open_step is not None and self._open_step[0] != self.step:
@@ -200,6 +202,7 @@ class TrainingReport:
             "validation_loss": self.validation_loss,
             "validation_step": self.validation_step,
             "samples_per_second": round(self.samples_per_second, 2),
+            "samples_trained": self.samples_trained,
             "swarm_samples_per_second": round(self.swarm_samples_per_second, 2),
             "peers_training": self.peers_training,
             "rounds_ok": self.rounds_ok,
