@@ -121,11 +121,11 @@ def default_text(field: FieldInfo) -> str:
 
 
 def cell(text: str) -> str:
-    """One table cell: one line, pipes escaped, and ``<`` outside code spans shown as text, not HTML."""
+    """One table cell: one line; outside code spans, pipes escaped and ``<`` shown as text, not HTML."""
     parts = " ".join(text.split()).replace("``", "`").split("`")
-    for i in range(0, len(parts), 2):
-        parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return "`".join(parts).replace("|", "\\|")
+    for i in range(0, len(parts), 2):  # outside code spans (Markdown's tables leave pipes in code spans alone)
+        parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+    return "`".join(parts)
 
 
 def size_text(value: Any) -> str:
