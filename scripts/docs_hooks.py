@@ -36,13 +36,14 @@ TASK_OPTIONS: list[tuple[str, str]] = [
     ("synthetic", "peerd.training.synthetic:SyntheticOptions"),
 ]
 
-# Wire schemas published as pages: source file -> (page, title, code language).
-PROTOCOL_PAGES: dict[str, tuple[str, str, str]] = {
-    "peerd_membership.proto": ("protocols/peerd_membership.md", "Membership handshake", "protobuf"),
-    "peerd_averaging.proto": ("protocols/peerd_averaging.md", "All-reduce", "protobuf"),
-    "peerd_training.proto": ("protocols/peerd_training.md", "Training-state transfer", "protobuf"),
-    "peerd_experts.proto": ("protocols/peerd_experts.md", "Remote expert calls", "protobuf"),
-    "peer_record.v1.schema.json": ("protocols/peer_record.v1.md", "Peer record (JSON schema)", "json"),
+# Titles of the wire schemas in protocols/; every *.proto and *.schema.json there becomes a page
+# protocols/<stem>.md (a new file needs a line in mkdocs.yml's nav, or the strict build fails).
+PROTOCOL_TITLES: dict[str, str] = {
+    "peerd_membership.proto": "Membership handshake",
+    "peerd_averaging.proto": "All-reduce",
+    "peerd_training.proto": "Training-state transfer",
+    "peerd_experts.proto": "Remote expert calls",
+    "peer_record.v1.schema.json": "Peer record (JSON schema)",
 }
 
 
@@ -295,20 +296,25 @@ def cli_reference() -> str:
 # ----------------------------------------------------------------------------------------------- pages
 
 
-def protocol_page(source: str, title: str, language: str) -> str:
-    text = (ROOT / "protocols" / source).read_text()
+def protocol_page(source: Path) -> str:
+    text = source.read_text()
+    title = PROTOCOL_TITLES.get(source.name, source.name)
+    language = "protobuf" if source.suffix == ".proto" else "json"
     fence = "````" if "```" in text else "```"
-    return (f"# {title}: `{source}`\n\nThe schema as it is in `protocols/{source}` (generated into the site "
-            f"when it is built). What it is for: [protocols](../protocols.md).\n\n{fence}{language}\n{text}"
+    return (f"# {title}: `{source.name}`\n\nThe schema as it is in `protocols/{source.name}` (generated into the "
+            f"site when it is built). What it is for: [protocols](../protocols.md).\n\n{fence}{language}\n{text}"
             f"{'' if text.endswith(chr(10)) else chr(10)}{fence}\n")
 
 
 def generated_pages() -> dict[str, str]:
     pages = {"reference/config.md": config_reference(), "reference/cli.md": cli_reference(),
-             "changelog.md": (ROOT / "CHANGELOG.md").read_text(),
-             "protocols/codec.v1.md": (ROOT / "protocols" / "codec.v1.md").read_text()}
-    for source, (page, title, language) in PROTOCOL_PAGES.items():
-        pages[page] = protocol_page(source, title, language)
+             "changelog.md": (ROOT / "CHANGELOG.md").read_text()}
+    protocols = ROOT / "protocols"
+    for source in sorted(protocols.glob("*.md")):
+        pages[f"protocols/{source.name}"] = source.read_text()
+    for source in sorted([*protocols.glob("*.proto"), *protocols.glob("*.schema.json")]):
+        stem = source.name.removesuffix(".schema.json").removesuffix(".proto")
+        pages[f"protocols/{stem}.md"] = protocol_page(source)
     return pages
 
 
