@@ -1,4 +1,4 @@
-# peerd in a container; used by docker-compose.yml (README: "docker-compose swarm").
+# peerd in a container; used by docker-compose.yml (docs/docker.md).
 #
 #   docker build -t peerd .                         # with an image registry and PyPI (torch: PyTorch's CPU index)
 #   scripts/docker-wheelhouse && docker build --build-arg BASE_IMAGE=peerd-base:bookworm -t peerd .

@@ -53,7 +53,7 @@ over reps: with all peers sharing 2 cores, n x this over the wall time says how 
 max|err| = largest |result - exact mean| over peers and reps. Numbers are printed, never asserted; a repetition
 whose result is wrong on any peer is reported under the table and left out of the timings.
 
-What limits the netns numbers (measured on this 2-core machine, Nov 2026; README "Measurements" has the runs):
+What limits the netns numbers (measured on this 2-core machine, Nov 2026; docs/benchmarks.md, "All-reduce", has the runs):
   * n-1 partners at once, both directions: plain TCP in peerd's pattern reaches 88-92% of the one-way probe at
     n=4 (95-96% at n=2): ACKs share each uplink and n-1 flows share each port both ways.
   * p2pd: the p2pd row, with no codec and no data dependency, reaches 72-87% at n=4 (67-94% at n=2), at 25,

@@ -5,7 +5,7 @@ seconds of one micro-batch's forward+backward and of one Adam step on one thread
 OMP_NUM_THREADS=1; 4 peers on this 2-core machine get about half a core each, so double it there), and the
 time an 8-bit all-reduce of the model takes among ``--peers`` peers on a ``--rate`` Mbit/s link: each peer
 sends and receives 2(n-1)/n of the model at 1.016 bytes per element, at line rate and at the 77% of line peerd
-reached with 4 peers over TCP at 100 Mbit/s (README, "Measurements"). ``compute/comm`` below 1 means sync mode
+reached with 4 peers over TCP at 100 Mbit/s (docs/benchmarks.md, "All-reduce"). ``compute/comm`` below 1 means sync mode
 is communication-bound. configs/lm-wan.yaml was chosen with it.
 
 Run: .venv/bin/python benchmarks/lm_sizes.py [--peers 4] [--rate 100] [--reps 5]
@@ -26,7 +26,7 @@ from peerd.tables import format_table
 from peerd.tasks.lm import VOCAB, ByteTransformer
 
 CODEC_BYTES_PER_ELEMENT = 1.016
-TCP_EFFICIENCY = 0.77  # peerd's 8-bit all-reduce of 4 peers at 100 Mbit/s over TCP (README, "Measurements")
+TCP_EFFICIENCY = 0.77  # peerd's 8-bit all-reduce of 4 peers at 100 Mbit/s over TCP (docs/benchmarks.md, "All-reduce")
 # (d_model, n_layers, d_ff, batch_size, seq_len)
 CANDIDATES = [
     (128, 2, 512, 16, 128),  # configs/lm.yaml, for reference

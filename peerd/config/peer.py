@@ -54,7 +54,7 @@ class SwarmConfig(Section):
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
         description="Multiaddrs to listen on. 0.0.0.0 lets peers on other hosts connect (hivemind's own "
         "default, 127.0.0.1, would not); port 0 picks a free port. TCP (/tcp/PORT) or QUIC "
-        "(/udp/PORT/quic-v1), or both: README, 'Choosing a transport'.",
+        "(/udp/PORT/quic-v1), or both (docs: networking, 'Choosing a transport').",
     )
     announce_maddrs: list[str] = Field(
         default_factory=list,
@@ -159,7 +159,7 @@ class SwarmConfig(Section):
 
 
 class ControlConfig(Section):
-    """The local control endpoint (HTTP) used by `peerd status` and, later, the status page and metrics."""
+    """The local control endpoint (HTTP): the status page, /status (what `peerd status` shows) and /metrics."""
 
     host: str = Field(default="127.0.0.1", description="Address to bind; loopback unless `expose` is set.")
     port: int = Field(
@@ -188,5 +188,7 @@ class ControlConfig(Section):
 
 
 class LoggingConfig(Section):
+    """Log records on stderr."""
+
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
     format: Literal["text", "json"] = Field(default="text", description="Log line format on stderr.")

@@ -147,6 +147,8 @@ class StateTransferConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """Checkpoints of the training state on local disk."""
+
     directory: Path | None = Field(
         default=None, description="Where checkpoints go; null disables them. `--resume` reads from here."
     )
@@ -179,7 +181,7 @@ class TrainingConfig(Section):
         default="sync",
         description="'sync': gradients are averaged at every global step (LAN, small models). 'diloco': "
         "each peer takes training.diloco.inner_steps steps alone, then the phase's parameter change is "
-        "averaged and applied by an outer optimizer (internet links; README, 'Choosing a mode').",
+        "averaged and applied by an outer optimizer (internet links; docs: training modes).",
     )
     diloco: DilocoConfig = Field(default_factory=DilocoConfig)
     device: str = Field(

@@ -28,12 +28,18 @@ from peerd.config import TaskConfig
 from peerd.errors import ConfigError
 from peerd.tasks.base import Task, TaskRuntime
 
-__all__ = ["BUILTIN_TASKS", "EXPORTERS", "build_task", "resolve", "shard_for_peer", "task_fingerprint"]
+__all__ = ["BUILTIN_OPTIONS", "BUILTIN_TASKS", "EXPORTERS", "build_task", "resolve", "shard_for_peer", "task_fingerprint"]
 
 BUILTIN_TASKS: dict[str, str] = {
     "synthetic": "peerd.tasks.synthetic:build_synthetic",
     "lm": "peerd.tasks.lm:build_lm",
     "hf": "peerd.tasks.hf:build_hf",
+}
+# The options model of each built-in task: the configuration reference lists its fields.
+BUILTIN_OPTIONS: dict[str, str] = {
+    "synthetic": "peerd.tasks.synthetic:SyntheticOptions",
+    "lm": "peerd.tasks.lm:LMOptions",
+    "hf": "peerd.tasks.hf.options:HFOptions",
 }
 # Tasks whose trained model is written in a format of its own; every other task exports its state dict as
 # safetensors (peerd.training.export).

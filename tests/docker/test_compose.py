@@ -280,7 +280,7 @@ def test_compose_swarm_trains_serves_experts_and_survives_a_killed_trainer(
                    "the bootstrap peer to list every trainer and the expert host")
         assert swarm.last[bootstrap]["/status"]["peer_id"] == bootstrap_id
 
-        # `peerd status --json`, as the README tells users, answers inside a container too
+        # `peerd status --json`, as docs/docker.md tells users, answers inside a container too
         shown = json.loads(_run(["docker", "exec", trainers[0], "peerd", "status", "--json"], env, 60).stdout)
         assert shown["training"]["rounds_ok"] >= 3
 

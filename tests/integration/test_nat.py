@@ -110,7 +110,7 @@ def test_natted_peers_average_and_call_experts_through_the_relay(lab: NatLab, co
         bootstrap = ["--initial-peers", public_maddr(relay, lab.addr("relay"))]
         pub = start("pub", *bootstrap)
         # The relay's own service starts once AutoNAT (pub dialling it back) finds it reachable. Slots reserved
-        # before that are on p2pd's default service, which it replaces (README, "Peers behind NAT").
+        # before that are on p2pd's default service, which it replaces (docs/networking.md, "Peers behind NAT").
         wait_for(lambda: reach(relay)["relay_service"]["active"], 90, "the relay's relay service to start", 0.5)
         natted = ["-o", f"swarm.relay.reachability={natted_reachability}"]
         b = start("b", *bootstrap, *natted, "-o", f"experts={EXPERTS}")

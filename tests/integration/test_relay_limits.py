@@ -1,7 +1,7 @@
 """A stranger cannot take more from a peerd relay than ``swarm.relay.limits`` allows (real NAT, real p2pd).
 
 p2pd's relay service has no access list, so a libp2p node outside a private swarm can reserve a slot on a
-public peerd peer and open circuits through it (README, "Peers behind NAT"). What it can take is bounded:
+public peerd peer and open circuits through it (docs/networking.md, "Peers behind NAT"). What it can take is bounded:
 here two strangers behind their own NATs push data to each other through a peerd relay of a private swarm.
 With the bound set as p2pd ships it (4 GiB per circuit) all of it passes; with ``max_circuit_bytes`` set,
 the relay resets the circuit at the bound and counts what it carried in ``peerd status``.
