@@ -39,7 +39,8 @@ VERSION = 2
 def save_state(path: Path, state: TrainingState, fingerprint: str, meta: dict[str, Any] | None = None) -> None:
     """Writes ``state`` to ``path`` atomically: readers see the old file or the new one, never half of one.
     ``meta``: plain data (strings, numbers, lists, dicts) stored beside the tensors for ``peerd export``."""
-    partial = path.with_name(path.name + ".partial")
+    # named by process: peers on one machine may share a directory, and two writers of one name would interleave
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
         with open(partial, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, "fingerprint": fingerprint, "step": state.step,

@@ -26,8 +26,15 @@ from peerd.tasks.registry import EXPORTERS, resolve
 from peerd.training.checkpoint import PATTERN, read_checkpoint
 from peerd.training.state import TrainingState
 
-__all__ = ["artifacts_directory", "check_export_directory", "export_checkpoint", "export_model", "export_task_state",
-           "model_tensors"]
+__all__ = [
+    "artifacts_directory",
+    "check_export_directory",
+    "export_checkpoint",
+    "export_model",
+    "export_task_state",
+    "model_tensors",
+    "save_artifacts",
+]
 
 TASK_FILE = "task.json"
 
@@ -36,6 +43,24 @@ def artifacts_directory(checkpoints: Path, fingerprint: str) -> Path:
     """Where a trainer keeps the files besides weights that an export of its task needs (a model config, a
     tokenizer), next to its checkpoints."""
     return checkpoints / f"model-{fingerprint}"
+
+
+def save_artifacts(task: Task, directory: Path) -> None:
+    """Writes ``task``'s export files to ``directory`` once: into a temporary sibling first, renamed into place
+    unless another peer sharing the checkpoint directory got there first (the same files: same fingerprint)."""
+    if directory.exists():
+        return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        task.save_artifacts(partial)
+        if any(partial.iterdir()):
+            os.rename(partial, directory)
+    except OSError:
+        if not directory.exists():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def export_checkpoint(directory: Path, out: Path, step: int | None = None, merge: bool = False) -> Path:

@@ -30,7 +30,7 @@ from peerd.tasks import Batch, Task
 from peerd.training import lockstep, snapshot
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.download import StateDownloader
-from peerd.training.export import artifacts_directory, export_task_state
+from peerd.training.export import artifacts_directory, export_task_state, save_artifacts
 from peerd.training.health import AveragingHealth
 from peerd.training.local import LocalModel
 from peerd.training.outer import OuterState
@@ -111,7 +111,7 @@ class CollaborativeTrainer:
                 self.step = state.step
         if self.checkpointer is not None:
             artifacts = artifacts_directory(self.checkpointer.directory, self.task.fingerprint)
-            await asyncio.to_thread(self.task.save_artifacts, artifacts)
+            await asyncio.to_thread(save_artifacts, self.task, artifacts)
         for server in (self.reducer, self.state_server):
             await server.start()
         await self.publish()

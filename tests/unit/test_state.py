@@ -5,6 +5,7 @@ tensor."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -183,7 +184,7 @@ def test_a_checkpoint_that_fails_on_a_full_disk_is_logged_and_the_last_good_one_
     assert good is not None
     # the next write goes to the kernel's always-full device: a real ENOSPC from torch.save's own writes
     failing = tmp_path / "ckpt-000000020.pt"
-    failing.with_name(failing.name + ".partial").symlink_to("/dev/full")
+    failing.with_name(f"{failing.name}.{os.getpid()}.partial").symlink_to("/dev/full")
     with caplog.at_level(logging.ERROR):
         assert checkpointer.save(sample_state(20, seed=20), FP) is None
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
