@@ -37,15 +37,18 @@ Record = tuple[str, bool]  # text, and whether it ends a document
 
 def resolve_files(options: DataOptions) -> list[tuple[Path, str]]:
     """Every data file with its format, in reading order; ConfigError naming the pattern or file that is
-    missing or empty, so a typo stops the peer before it trains."""
+    missing or empty, so a typo stops the peer before it trains. Empty files a glob matches are skipped (a
+    tree of sources has its empty ``__init__.py`` files), unless it matches nothing else."""
     found: list[tuple[Path, str]] = []
     seen: set[Path] = set()
     for pattern in options.files:
         expanded = os.path.expanduser(pattern.replace(STDLIB, sysconfig.get_paths()["stdlib"]))
         if glob.has_magic(expanded):
-            paths = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+            matched = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+            paths = [path for path in matched if path.stat().st_size > 0]
             if not paths:
-                raise ConfigError(f"{FIELD}.files: {pattern!r} matches no file", field=f"{FIELD}.files")
+                what = "only empty files" if matched else "no file"
+                raise ConfigError(f"{FIELD}.files: {pattern!r} matches {what}", field=f"{FIELD}.files")
         else:
             paths = [Path(expanded)]
         for path in paths:
