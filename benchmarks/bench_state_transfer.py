@@ -1,4 +1,4 @@
-"""Time, bytes and memory of a late joiner's state download (peerd.training.sync / download) between processes
+"""Time, bytes and memory of a late joiner's state download (peerd.training.transfer.server / download) between processes
 in network namespaces behind a shaped link.
 
 Usage (root is needed for the namespaces; --env loopback runs unshaped on 127.0.0.1 without it):
@@ -69,7 +69,7 @@ def _template(size_bytes: int) -> Any:
 
 
 def _digests(tensors: dict[str, Any]) -> dict[str, str]:
-    from peerd.training.manifest import byte_view
+    from peerd.training.transfer.manifest import byte_view
 
     return {name: hashlib.sha256(byte_view(t)).hexdigest() for name, t in tensors.items()}
 
@@ -97,7 +97,7 @@ async def donor(args: argparse.Namespace) -> None:
     import torch
 
     from peerd.training.state import TrainingState
-    from peerd.training.sync import StateServer
+    from peerd.training.transfer.server import StateServer
 
     g = torch.Generator().manual_seed(args.seed)
     tensors = {name: torch.randn(shape, generator=g).to(dtype) for name, (shape, dtype) in _template(args.size).items()}
@@ -120,7 +120,7 @@ async def donor(args: argparse.Namespace) -> None:
 
 
 async def joiner(args: argparse.Namespace) -> None:
-    from peerd.training.download import StateDownloader
+    from peerd.training.transfer.download import StateDownloader
 
     donors = json.loads(args.donors)
     p2p = await _p2p(args, [m for d in donors for m in d["maddrs"]])

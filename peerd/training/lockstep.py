@@ -18,12 +18,54 @@ record expires, so no peer can stall the swarm for longer.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Iterable, Mapping
 
+from peerd.config import TrainingConfig
 from peerd.errors import ConfigError
-from peerd.training.progress import ProgressRecord, SwarmProgress
+from peerd.training.progress import ProgressRecord, ProgressTracker, SwarmProgress, wait_unless_stopped
 
 OPTION = "training.samples_per_step"
+# Seconds between progress reads while a lockstep peer waits for the others' shares (the matchmaker polls
+# the DHT at the same pace).
+POLL = 0.1
+
+logger = logging.getLogger(__name__)
+
+
+def share(config: TrainingConfig, batch_size: int) -> int | None:
+    """This peer's exact samples per step in lockstep (diloco's ``phase_end: lockstep``: inner_steps
+    micro-batches a phase), checked to be whole micro-batches; None outside lockstep."""
+    samples = config.samples_per_step
+    if config.mode == "diloco" and config.diloco.phase_end == "lockstep":
+        samples = config.diloco.inner_steps * batch_size
+    if samples is not None:
+        micro_batches_per_step(samples, batch_size)
+    return samples
+
+
+async def wait_for_shares(progress: ProgressTracker, me: str, step: int, samples_per_step: int, timeout: float,
+                          stop: asyncio.Event, count_next_step: bool) -> int:
+    """Waits (at most ``timeout``) until every trainer at ``step``, or finishing the previous one, has its
+    share; returns how many trainers at this step have theirs, this one included (the expected group size).
+    ``count_next_step`` (diloco): peers one phase ahead have just ended this one and join its round too."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = await progress.refresh()
+        missing = waiting_for(view, me, step, samples_per_step)
+        if not missing or stop.is_set():
+            break
+        if time.monotonic() > deadline:
+            logger.warning("Step %d: %s did not complete %d samples within training.lockstep_timeout (%.0fs); "
+                           "averaging without them", step, ", ".join(missing), samples_per_step, timeout)
+            break
+        await wait_unless_stopped(stop, POLL)
+    ready = ready_at(view, me, step, samples_per_step)
+    if count_next_step:
+        ready += sum(1 for peer, p in view.peers.items() if peer != me and p.step == step + 1)
+    return ready
 
 
 def micro_batches_per_step(samples_per_step: int, batch_size: int) -> int:

@@ -7,6 +7,7 @@ rather than failing later with a shape error inside an all-reduce.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -24,6 +25,14 @@ logger = logging.getLogger(__name__)
 # The periodic progress publication and read pause this many times the DHT's median request time, if longer
 # than training.progress_period (and shorter than a quarter of training.progress_ttl).
 PROGRESS_PER_LATENCY = 2.0
+
+
+async def wait_unless_stopped(stop: asyncio.Event, seconds: float) -> None:
+    """Waits ``seconds``, or less if ``stop`` is set meanwhile: a polling pace that never delays shutdown."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
 
 
 def progress_pause(config: TrainingConfig, dht_latency: float) -> float:

@@ -1,7 +1,7 @@
 """Training state as named tensors, checked against what this peer expects before anyone uses it.
 
 A :class:`TrainingState` is a step and an ordered dict of named CPU tensors (dense, contiguous); the trainer
-decides the names. Whatever brings a state in, a peer (:mod:`peerd.training.sync`) or a checkpoint file
+decides the names. Whatever brings a state in, a peer (:mod:`peerd.training.transfer.server`) or a checkpoint file
 (:mod:`peerd.training.checkpoint`), :func:`check_state` compares it with the receiver's :data:`Template`:
 the same names exactly, each with the template's shape and dtype, dense, floating-point values finite and
 booleans 0 or 1. This module knows nothing of models or optimizers.

@@ -18,8 +18,8 @@ from peerd.config import StreamLimits
 from peerd.errors import MembershipError, StateError
 from peerd.experts.server import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from peerd.training.download import StateDownloader, probe_state
-from peerd.training.sync import HANDLER_NAME as STATE
+from peerd.training.transfer.download import StateDownloader, probe_state
+from peerd.training.transfer.server import HANDLER_NAME as STATE
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, generate_secret, load_secret
 from tests.integration.test_experts import CONFIG, HIDDEN

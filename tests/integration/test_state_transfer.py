@@ -19,10 +19,10 @@ from hivemind.p2p import P2P
 from peerd.config import StreamLimits
 from peerd.errors import StateError
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.training.download import StateDownloader
-from peerd.training.manifest import HANDLER_NAME, encode_manifest
 from peerd.training.state import TrainingState, template_of
-from peerd.training.sync import StateServer
+from peerd.training.transfer.download import StateDownloader
+from peerd.training.transfer.manifest import HANDLER_NAME, encode_manifest
+from peerd.training.transfer.server import StateServer
 from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership

@@ -45,10 +45,16 @@ from peerd.proto import peerd_training_pb2 as tpb
 from peerd.swarm.records import parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.training.checkpoint import load_state, save_state
-from peerd.training.download import StateDownloader
-from peerd.training.manifest import byte_view, check_against_template, check_manifest, chunks, encode_manifest
 from peerd.training.progress import ProgressRecord
 from peerd.training.state import TrainingState, template_of
+from peerd.training.transfer.download import StateDownloader
+from peerd.training.transfer.manifest import (
+    byte_view,
+    check_against_template,
+    check_manifest,
+    chunks,
+    encode_manifest,
+)
 from peerd.wire import codec, handshake
 from peerd.wire.frames import MAX_HEADER_BYTES, read_frame, read_frame_into, read_frame_or_eof, read_message
 from peerd.wire.guard import StreamGuard

@@ -10,8 +10,8 @@ from peerd.config.diloco import DilocoConfig
 from peerd.errors import ConfigError
 from peerd.tasks import build_task
 from peerd.training.device import resolve_device
+from peerd.training.diloco.outer import MOMENTUM, SHARED, OuterState
 from peerd.training.local import LocalModel, init_slots
-from peerd.training.outer import MOMENTUM, SHARED, OuterState
 
 pytestmark = pytest.mark.timeout(60)
 

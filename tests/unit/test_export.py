@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,11 +16,11 @@ import torch
 from peerd.config import TaskConfig, TrainingConfig
 from peerd.errors import ConfigError
 from peerd.tasks import Task, build_task
-from peerd.training import snapshot
 from peerd.training.checkpoint import Checkpointer
+from peerd.training.diloco import DilocoMode, OuterState
 from peerd.training.export import artifacts_directory, export_checkpoint
 from peerd.training.local import LocalModel
-from peerd.training.outer import OuterState
+from peerd.training.modes import SyncMode
 from tests.hf_models import TINY_LLAMA, make_model, make_tokenizer, sentences, write_text
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +46,9 @@ def train_and_checkpoint(config: TaskConfig, directory: Path, mode: str = "sync"
     training = TrainingConfig(enabled=True, task=config, mode=mode)  # type: ignore[arg-type]
     task = build_task(config, 0)
     local = LocalModel(training, task, error_feedback=False)
-    outer = OuterState(training.diloco, local) if mode == "diloco" else None
+    host = SimpleNamespace(config=training, local=local)  # what of a trainer a mode's state methods use
+    trainer_mode = DilocoMode(host) if mode == "diloco" else SyncMode(host)  # type: ignore[arg-type]
+    outer = trainer_mode.outer if isinstance(trainer_mode, DilocoMode) else None
     batches = task.train_batches()
     for _ in range(steps):
         _, samples = local.forward_backward(next(batches))
@@ -58,7 +61,7 @@ def train_and_checkpoint(config: TaskConfig, directory: Path, mode: str = "sync"
             local.inner_step(samples)
     meta = {"task": config.model_dump(mode="json"), "parameters": local.param_names}
     task.save_artifacts(artifacts_directory(directory, task.fingerprint))
-    Checkpointer(training.checkpoint, directory, meta).save(snapshot.capture(local, outer, 7), task.fingerprint)
+    Checkpointer(training.checkpoint, directory, meta).save(trainer_mode.capture(7), task.fingerprint)
     return task, local, outer
 
 

@@ -15,7 +15,8 @@ from peerd.config import CheckpointConfig
 from peerd.errors import ConfigError, ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
 from peerd.training.checkpoint import Checkpointer, check_directory, load_state, save_state
-from peerd.training.manifest import (
+from peerd.training.state import TrainingState, check_state, template_of
+from peerd.training.transfer.manifest import (
     MAX_TENSORS,
     check_against_template,
     check_manifest,
@@ -24,7 +25,6 @@ from peerd.training.manifest import (
     layout_digest,
     manifest_limit,
 )
-from peerd.training.state import TrainingState, check_state, template_of
 
 pytestmark = pytest.mark.timeout(60)
 

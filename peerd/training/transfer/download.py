@@ -22,7 +22,8 @@ from google.protobuf.message import DecodeError
 
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.training.manifest import (
+from peerd.training.state import Template, TrainingState, check_state
+from peerd.training.transfer.manifest import (
     HANDLER_NAME,
     MAX_MANIFEST_BYTES,
     PROTOCOL_VERSION,
@@ -35,7 +36,6 @@ from peerd.training.manifest import (
     manifest_limit,
     nbytes,
 )
-from peerd.training.state import Template, TrainingState, check_state
 from peerd.wire.frames import read_frame, read_frame_into, write_message
 from peerd.wire.guard import StreamGuard
 

@@ -1,11 +1,11 @@
 """State transfer for late joiners, the donor's side: every trainer serves its current state in chunks.
 
-A request gets a manifest (:mod:`peerd.training.manifest`), then the tensors' bytes in frames of at most
+A request gets a manifest (:mod:`peerd.training.transfer.manifest`), then the tensors' bytes in frames of at most
 ``chunk_bytes``, straight from the state the provider returned: no blob is built. Concurrent requests share
 one snapshot (one provider call while any transfer of it runs), so serving costs at most one extra copy of the
 state however many joiners there are, and at most ``max_transfers`` run at once; more are told STATE_BUSY. A
 joiner that names a resume point of the same step and layout continues from there. The joiner side is
-:mod:`peerd.training.download`.
+:mod:`peerd.training.transfer.download`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.training.manifest import (
+from peerd.training.state import TrainingState, template_of
+from peerd.training.transfer.manifest import (
     CHUNK_BYTES,
     HANDLER_NAME,
     PROTOCOL_VERSION,
@@ -29,7 +30,6 @@ from peerd.training.manifest import (
     encode_manifest,
     layout_digest,
 )
-from peerd.training.state import TrainingState, template_of
 from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 

@@ -1,0 +1,149 @@
+"""diloco's mode: inner steps alone, then phase ends and outer rounds, at most one round in flight.
+
+Ending a phase takes its pseudo-gradient and moves the phase counter on at once. The round (matchmaking,
+the 8-bit all-reduce of the pseudo-gradients, the outer step and its fold) then runs in the background while
+the next phase computes (``training.diloco.overlap``), or before it (overlap off). A phase that ends while the
+previous round is still in flight waits for it first; a round is bounded by the matchmaking and round
+timeouts, so a dead peer holds nobody for longer.
+
+A training state holds the shared parameters and outer momentum besides the model and the inner optimizer. A
+joiner is served the shared parameters as its model (it starts the phase from theta, not from the donor's
+mid-phase weights); a checkpoint keeps this peer's own, so a resumed peer keeps its progress in the phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from peerd.training.diloco.outer import OuterState
+from peerd.training.modes import Host, Mode
+from peerd.training.progress import SwarmProgress
+from peerd.training.state import Template, TrainingState
+
+__all__ = ["DilocoMode"]
+
+logger = logging.getLogger(__name__)
+
+
+class DilocoMode(Mode):
+    # a peer one phase ahead has just ended the phase we are in; only further ahead means behind
+    ahead_ok = 1
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self.outer = OuterState(host.config.diloco, host.local)
+        self.overlap = host.config.diloco.overlap
+        self.pending: asyncio.Future[None] | None = None
+
+    def batch_complete(self, view: SwarmProgress) -> bool:
+        """The trainers at this phase have taken inner_steps micro-batches each on average (faster peers more,
+        slower ones fewer: nobody waits)."""
+        h = self.host
+        if view.max_step > h.step:  # someone already ended this phase: end it too, so we meet in its round
+            return True
+        others = [p for peer, p in view.peers.items() if p.step == h.step and peer != h.peer_id]
+        samples = h.samples + sum(p.samples for p in others)
+        return samples >= h.config.diloco.inner_steps * h.local.task.batch_size * (1 + len(others))
+
+    def after_backward(self, samples: int) -> str | None:
+        refused = self.host.local.inner_step(samples)
+        self.host.report.inner_steps += 1
+        return refused
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None and not self.pending.done()
+
+    async def end_step(self, expected: int) -> None:
+        """``expected``: trainers active at this phase, this one included (the leader may close at that)."""
+        h = self.host
+        await self.land()
+        every = h.config.checkpoint.every_steps
+        if h.checkpointer is not None and h.step and h.step % every == 0:
+            await h.checkpoint()  # between rounds: the shared parameters and the anchor agree
+        h.report.state = "averaging"
+        await h.publish()  # the others see at once that this peer's share is complete
+        phase, weight = h.step, float(h.samples)
+        async with h.step_lock:
+            pseudo = await asyncio.to_thread(self.outer.end_phase)
+            h.step, h.samples, h.report.inner_steps = phase + 1, 0, 0
+        h.report.step = h.step
+        outer_round = self._round(phase, pseudo, weight, expected)
+        if self.overlap:
+            self.pending = asyncio.ensure_future(outer_round)
+            h.report.outer_pending = True
+        else:
+            await outer_round
+        await h.publish()
+        last = h.config.max_steps is not None and h.step >= h.config.max_steps
+        if h.step % h.config.validation_every == 0 and not last:  # the last one follows its round
+            await h.validate()
+
+    async def _round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: int) -> None:
+        h = self.host
+        averaged = await h.rounds.average(
+            f"{h.prefix}.outer.{phase}", pseudo, weight, expected, residual=h.local.residual,
+            average_residual=h.local.average_residual, out=self.outer.averaged,
+            window=h.config.diloco.matchmaking_window, what=f"Phase {phase}")
+        async with h.step_lock:
+            refused = await asyncio.to_thread(self.outer.step, averaged)
+        if refused is not None:
+            logger.error("Phase %d: outer update not applied: %s", phase, refused)
+            h.report.steps_refused += 1
+        every = h.config.state_averaging_every
+        if every and (phase + 1) % every == 0:
+            await h.average_state(phase + 1)
+
+    async def finish(self) -> None:
+        """The last phase's round, then its result on disk."""
+        await self.land()
+        if self.host.checkpointer is not None:
+            await self.host.checkpoint()
+
+    async def land(self) -> None:
+        """Waits for the round in flight, if any, to be folded in."""
+        if self.pending is None:
+            return
+        try:
+            await self.pending
+        finally:
+            self.pending, self.host.report.outer_pending = None, False
+
+    async def settled(self) -> bool:
+        if self.pending is not None and not self.pending.done():
+            try:
+                await asyncio.shield(self.pending)
+            except Exception:  # noqa: BLE001 - the trainer reports its own round's failure when it lands it
+                return False
+        return True
+
+    def cancel(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+        self.pending, self.host.report.outer_pending = None, False
+
+    # --- state ------------------------------------------------------------------------------------------------
+
+    def averaged_state(self) -> torch.Tensor:
+        """The shared parameters and outer momentum (inner optimizers stay each peer's own)."""
+        return self.outer.flat()
+
+    def load_averaged_state(self, flat: torch.Tensor) -> None:
+        self.outer.load_flat(flat)
+
+    def template(self) -> Template:
+        layout = super().template()
+        layout.update({name: (tuple(t.shape), t.dtype) for name, t in self.outer.named().items()})
+        return layout
+
+    def capture(self, step: int, for_joiner: bool = False) -> TrainingState:
+        tensors = self.host.local.export_state(parameters=self.outer.shared if for_joiner else None)
+        tensors.update({name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.outer.named().items()})
+        return TrainingState(step, tensors)
+
+    def restore(self, state: TrainingState) -> None:
+        super().restore(state)
+        self.outer.load_named(state.tensors)
