@@ -33,10 +33,16 @@ ROBUST_MIN_MEMBERS = 3
 @dataclass(frozen=True)
 class Combined:
     """What one rule did to one chunk: ``kept[i]`` is member row i's kept fraction (1.0 if untouched),
-    ``weights[i]`` the weight it was given after capping."""
+    ``weights[i]`` the weight it was given after capping. A rule whose result is a weighted sum of the rows
+    says with which ``coefficients`` (what a reducer publishes so members can check its average); centered_clip
+    also gives its ``medoid`` and the ``gram`` matrix of the rows minus the medoid's, which its coefficients
+    follow from (:func:`clip_coefficients`)."""
 
     kept: list[float]
     weights: list[float]
+    coefficients: list[float] | None = None
+    medoid: int = 0
+    gram: torch.Tensor | None = None
 
 
 def cap_weights(claims: list[float], max_ratio: float) -> list[float]:
@@ -49,7 +55,7 @@ def cap_weights(claims: list[float], max_ratio: float) -> list[float]:
 def weighted_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) -> Combined:
     w = torch.tensor(weights, dtype=torch.float64)
     torch.mv(rows.t(), (w / w.sum()).to(rows.dtype), out=out)
-    return Combined([1.0] * len(weights), weights)
+    return Combined([1.0] * len(weights), weights, (w / w.sum()).tolist())
 
 
 def _medoid(rows: torch.Tensor) -> int:
@@ -77,15 +83,29 @@ def centered_clip(
     away at the default radius; honest LM gradients kept >= 0.9) is left out and the rest are clipped again:
     clipping alone still lets it pull by the radius times its weight share, every round.
     """
-    n = rows.shape[0]
     medoid = _medoid(rows)
     out.copy_(rows[medoid])
     rows.sub_(out)  # rows[i] = x_i - x_m
     gram = (rows @ rows.t()).double()
+    coefficients, kept = clip_coefficients(gram, weights, medoid, radius, iterations)
+    difference = coefficients.clone()
+    difference[medoid] = 0.0  # rows[medoid] is 0: the medoid's own share is in `out` already
+    out.add_(torch.mv(rows.t(), difference.to(rows.dtype)))
+    return Combined(kept, weights, coefficients.tolist(), medoid, gram)
+
+
+def clip_coefficients(gram: torch.Tensor, weights: list[float], medoid: int, radius: float,
+                      iterations: int) -> tuple[torch.Tensor, list[float]]:
+    """CenteredClip's result as coefficients of the rows (float64, summing to 1) and each row's kept fraction,
+    from ``gram``, the Gram matrix of the rows minus row ``medoid``: what :func:`centered_clip` computes, and
+    what a member recomputes from a reducer's published Gram matrix."""
+    n = gram.shape[0]
     w = torch.tensor(weights, dtype=torch.float64)
     found = _clip(gram, w / w.sum(), radius, iterations)
     if found is None:  # at least half the members equal the medoid: that is the answer
-        return Combined([1.0 if float(gram[i, i]) == 0.0 else 0.0 for i in range(n)], weights)
+        alone = torch.zeros(n, dtype=torch.float64)
+        alone[medoid] = 1.0
+        return alone, [1.0 if float(gram[i, i]) == 0.0 else 0.0 for i in range(n)]
     coefficients, scales = found
     outliers = scales < OUTLIER_KEPT
     if 0 < int(outliers.sum()) < n / 2:
@@ -93,8 +113,10 @@ def centered_clip(
         again = _clip(gram, w / w.sum(), radius, iterations)
         if again is not None:
             coefficients, scales = again[0], torch.where(outliers, 0.0, again[1])
-    out.add_(torch.mv(rows.t(), coefficients.to(rows.dtype)))
-    return Combined([float(s) for s in scales], weights)
+    # v = x_m + sum_j c_j (x_j - x_m): the medoid's coefficient is what the others leave
+    result = coefficients.clone()
+    result[medoid] = 1.0 - float(coefficients.sum() - coefficients[medoid])
+    return result, [float(s) for s in scales]
 
 
 OUTLIER_KEPT = 0.05

@@ -11,6 +11,12 @@ A contribution that fails validation (wrong round, span, size, weight, NaN/Inf, 
 refused with a reason, logged with the sender's peer id and left out of the average; a member that does
 not answer within the round's timeout is left out too. Spans whose reducer failed keep this peer's own
 values, so the result is always finite and the caller learns which peers were excluded.
+
+No member takes a reducer's word for its average: each checks every span it gets back against what the
+members sent, with randomness no reducer can predict (verify/), and applies only what checks out; a span that
+fails keeps this peer's own values, like a span whose reducer failed. A peer caught lying is banned (a local,
+bounded, expiring list) on evidence: left out of every later group this peer averages in and refused on every
+stream; the evidence goes to the round's other members (evidence.py), who check it themselves.
 """
 
 from __future__ import annotations
@@ -19,14 +25,21 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
+from peerd.averaging.evidence import EvidenceDesk
 from peerd.averaging.group import Group, RoundReport
-from peerd.averaging.layout import split_spans
+from peerd.averaging.layout import chunk_bounds, split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.sender import SpanExchange
+from peerd.averaging.verify.bans import BanList
+from peerd.averaging.verify.keys import Identity, KeyBook, SessionKey
+from peerd.averaging.verify.proofs import Evidence
+from peerd.averaging.verify.record import SpanRecord
+from peerd.averaging.verify.round import RoundVerification
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -43,19 +56,29 @@ HANDLER_NAME = "peerd.v1.averaging.reduce"
 class AllReducer:
     """Serves span reductions to other members and runs this peer's side of each round."""
 
-    def __init__(self, guard: StreamGuard, config: AveragingConfig) -> None:
-        """``guard``: every stream, served or opened, passes its membership handshake and limits first."""
+    def __init__(self, guard: StreamGuard, config: AveragingConfig, identity: Identity) -> None:
+        """``guard``: every stream, served or opened, passes its membership handshake and limits first;
+        ``identity``: this peer's libp2p identity, which certifies the key it signs round messages with."""
+        if identity.peer_id != guard.peer_id:
+            raise ValueError(f"identity {identity.peer_id} is not this peer's ({guard.peer_id})")
         self.guard = guard
         self.config = config
         self.peer_id = guard.peer_id
+        self.session = SessionKey(identity)
+        self.keys = KeyBook()
+        self.bans = BanList(config.verification)
+        self.evidence = EvidenceDesk(guard, config, self.keys, self.bans)
         self._reducers: dict[str, SpanReducer] = {}
         self._round_registered = asyncio.Condition()
+        self._sent: dict[int, torch.Tensor] = {}  # by numel: what members decode of our contributions
 
     async def start(self) -> None:
         await self.guard.add_handler(HANDLER_NAME, self._handle_stream)
+        await self.evidence.start()
 
     async def stop(self) -> None:
         await self.guard.remove_handler(HANDLER_NAME)
+        await self.evidence.stop()
 
     # --- this peer's side of a round --------------------------------------------------------------------------
 
@@ -83,12 +106,13 @@ class AllReducer:
         codec_config = codec_config or self.config.codec
         if self.peer_id not in group.members:
             raise GroupFailed(f"{self.peer_id} is not a member of round {group.round_id}")
+        report = RoundReport(group.round_id, len(group.members))
+        group = self._without_banned(group, report)
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be finite and positive, got {weight}")
         if flat.dim() != 1 or flat.dtype != torch.float32:
             raise ValueError("all_reduce takes a flat float32 tensor")  # the codec refuses NaN/Inf as it encodes
         started = time.monotonic()
-        report = RoundReport(group.round_id, len(group.members))
         rank = group.rank_of(self.peer_id)
         spans = split_spans(flat.numel(), len(group.members), codec_config.block_size)
         if out is None:
@@ -102,10 +126,16 @@ class AllReducer:
         else:
             result = out
         start, end = spans[rank]
+        config = self.config.model_copy(update={"codec": codec_config})
+        sent = self._sent_buffer(flat.numel())
+        verification = RoundVerification(group, rank, self.session, self.keys, config, spans, result,
+                                         self._accuser(group, report))
+        verification.own_weight = weight
+        record = SpanRecord(verification, end - start, self.config.aggregation, weight, sent[start:end])
         # Nothing span-sized happens before the first chunk leaves: sums start chunk by chunk in `result`.
         reducer = SpanReducer(
             group, rank, flat[start:end], weight, self.config, codec_config, self.peer_id, result[start:end],
-            average_residual[start:end] if average_residual is not None else None,
+            record, average_residual[start:end] if average_residual is not None else None,
             residual[start:end] if residual is not None else None,
         )
         async with self._round_registered:
@@ -114,14 +144,17 @@ class AllReducer:
         try:
             exchanges = [
                 SpanExchange(self.guard, HANDLER_NAME, group, member, spans[i], flat, weight, residual, result,
-                             report, self.config, codec_config).run()
+                             report, config, codec_config, verification, sent).run()
                 for i, member in enumerate(group.members)
                 if i != rank
             ]
             deadline = self.config.round_timeout
             own = asyncio.ensure_future(reducer.finish(deadline))
-            await asyncio.wait_for(asyncio.gather(own, *exchanges), deadline + self.config.join_timeout + 5.0)
+            # the exchanges' verification waits for the other members: up to a few verification timeouts more
+            limit = deadline + self.config.join_timeout + 5.0 + 6 * self.config.verification.timeout
+            await asyncio.wait_for(asyncio.gather(own, *exchanges), limit)
             await reducer.answered(self.config.join_timeout)
+            self._settle(verification, flat, result, spans, report)
             report.excluded.update(reducer.excluded)
             report.aggregation, report.clipped = reducer.rule, reducer.clipped
             report.bytes_sent += reducer.bytes_sent
@@ -131,6 +164,57 @@ class AllReducer:
             reducer.close()
         report.duration = time.monotonic() - started
         return result, report
+
+    def _sent_buffer(self, numel: int) -> torch.Tensor:
+        """A reused buffer per tensor size (gradients, state): a fresh one costs a page fault per 4 KiB."""
+        buffer = self._sent.get(numel)
+        if buffer is None:
+            if len(self._sent) >= 4:
+                self._sent.clear()
+            buffer = self._sent[numel] = torch.empty(numel)
+        return buffer
+
+    def _without_banned(self, group: Group, report: RoundReport) -> Group:
+        """``group`` without the peers this one has banned (every member holding the same evidence leaves them
+        out alike, so the rest still agree on the spans)."""
+        members = []
+        for member in group.members:
+            reason = self.bans.reason(member) if member != self.peer_id else None
+            if reason is None:
+                members.append(member)
+            else:
+                report.excluded[member] = reason
+        if len(members) < 2:
+            raise GroupFailed(f"round {group.round_id}: every other member is banned ({', '.join(report.excluded)})")
+        return group if len(members) == len(group.members) else Group(group.round_id, tuple(members))
+
+    def _accuser(self, group: Group, report: RoundReport) -> Callable[[str, str, Evidence | None, bool], None]:
+        def accuse(peer: str, reason: str, evidence: Evidence | None, proven: bool) -> None:
+            report.accused[peer] = reason
+            if self.bans.ban(peer, reason, proven) and evidence is not None:
+                self.evidence.push([m for m in group.members if m not in (peer, self.peer_id)], evidence)
+
+        return accuse
+
+    @staticmethod
+    def _settle(verification: RoundVerification, flat: torch.Tensor, result: torch.Tensor,
+                spans: list[tuple[int, int]], report: RoundReport) -> None:
+        """Keeps this peer's own values wherever an average did not check out or its chunk is void."""
+        for span, (start, end) in enumerate(spans):
+            if span == verification.rank or end == start:
+                continue
+            verdict = verification.verdicts.get(span)
+            if verdict is None or not verdict.apply:
+                result[start:end] = flat[start:end]
+                report.unverified[span] = verdict.reason if verdict is not None else "not verified"
+                continue
+            for index in verdict.void:
+                a, b = chunk_bounds(end - start, verification.config.chunk_numel)[index]
+                result[start + a : start + b] = flat[start + a : start + b]
+        start, end = spans[verification.rank]
+        for index in verification.own_void:
+            a, b = chunk_bounds(end - start, verification.config.chunk_numel)[index]
+            result[start + a : start + b] = flat[start + a : start + b]
 
     # --- serving other members ------------------------------------------------------------------------------
 
@@ -142,6 +226,11 @@ class AllReducer:
             # a member that opens a stream and sends nothing must not hold its slot for long
             request = await asyncio.wait_for(read_message(reader, pb.ReduceRequest, sender),
                                              self.config.join_timeout)
+            banned = self.bans.reason(sender)
+            if banned is not None:
+                await write_message(writer, pb.ReduceResponse(code=pb.NOT_A_MEMBER, message=banned[:300]))
+                await wait_for_close(reader)
+                return
             reducer = await self._wait_for_round(request.round_id)
             if reducer is None:
                 await write_message(

@@ -41,3 +41,5 @@ class RoundReport:
     failed_spans: list[int] = field(default_factory=list)
     aggregation: str = "mean"  # the rule this peer's span was combined with
     clipped: dict[str, Clipping] = field(default_factory=dict)  # peer id -> what this peer's span did to it
+    unverified: dict[int, str] = field(default_factory=dict)  # span -> why its average was not applied
+    accused: dict[str, str] = field(default_factory=dict)  # peer id -> the lie this peer caught it in

@@ -3,6 +3,11 @@ soon as every member still in the round has delivered it, so averages flow back 
 arrive. A member whose chunk fails validation, whose stream breaks or who is too slow is excluded from the
 rest of the round; its earlier, valid chunks stay in their averages. Nothing invalid is ever added.
 
+Every member checks what it gets back (verify/): the reducer codes its own row like any contribution, signs
+each averaged chunk, records how each was made (verify/record.py) and signs a statement of it after the last
+chunk; its carried quantization residual is kept within half a codec step of the average it codes, so members
+can bound how far an honest coded average may be from the exact one.
+
 With ``averaging.aggregation: mean`` each chunk's running sum lives in the caller's result slice and starts
 when the chunk is first touched, so a round does no span-sized work before its first chunk leaves (that was
 30-80 ms of idle uplink per round). A robust rule keeps every member's decoded chunk instead and combines
@@ -23,6 +28,9 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import SpanView, check_request
 from peerd.averaging.robust import WINDOW, RobustChunks, rule_label
+from peerd.averaging.verify.payloads import clamp_residual, envelope, view
+from peerd.averaging.verify.record import SpanRecord
+from peerd.averaging.verify.streams import read_verify, write_verify
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -44,14 +52,17 @@ class SpanReducer:
         codec_config: CodecConfig,
         peer_id: str,
         out: torch.Tensor,
+        record: SpanRecord,
         residual: torch.Tensor | None = None,
         own_residual: torch.Tensor | None = None,
     ) -> None:
-        """``out`` receives the coded average of the span (the caller's slice of its result); ``residual``, if
-        given, carries what coding the average dropped into this peer's next average of the same elements;
-        ``own_residual``, if given, is added to ``own`` and zeroed chunk by chunk (it enters the average
-        exactly)."""
+        """``out`` receives the coded average of the span (the caller's slice of its result); ``record`` keeps
+        what the span's statement and challenges need (this peer's own row is coded into ``record.own_row``);
+        ``residual``, if given, carries what coding the average dropped into this peer's next average of the
+        same elements; ``own_residual``, if given, is added to ``own`` before it is coded, and receives what
+        coding drops of it, as a sender's residual does."""
         self.residual, self.own_residual = residual, own_residual
+        self.record = record
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
         self.peer_id, self.out, self.own, self.own_weight = peer_id, out, own, weight
         self.numel = own.numel()
@@ -104,38 +115,53 @@ class SpanReducer:
             self.ready[index].set()  # a chunk without payload is answered INTERNAL_ERROR
 
     def _start(self, index: int) -> None:
-        """Seeds chunk ``index``'s sum with this peer's weighted values, once; under ``_sum_lock``."""
+        """Seeds chunk ``index``'s sum with this peer's weighted row, once; under ``_sum_lock``."""
         if self._started[index]:
             return
         start, end = self.chunks[index]
-        acc = self.out[start:end]
-        if self.own_residual is not None:
-            torch.add(self.own[start:end], self.own_residual[start:end], out=acc).mul_(self.own_weight)
-            self.own_residual[start:end] = 0
-        else:
-            torch.mul(self.own[start:end], self.own_weight, out=acc)
+        torch.mul(self._own_row(index), self.own_weight, out=self.out[start:end])
         self._started[index] = True
+
+    def _own_row(self, index: int) -> torch.Tensor:
+        """This peer's row of chunk ``index`` coded like any member's (plus its carried residual, which then
+        receives what coding drops), decoded into ``record.own_row``."""
+        start, end = self.chunks[index]
+        row = self.record.own_row[start:end]
+        carried = self.own_residual[start:end] if self.own_residual is not None else None
+        payload, _ = encode_with_feedback(self.own[start:end], self.codec_config, self.peer_id, carried=carried,
+                                          dropped=carried, decoded=row)
+        self.record.own(index, bytes(payload), envelope(view(payload), row, self.codec_config.block_size))
+        return row
 
     def _average_chunk(self, index: int) -> bytearray:
         start, end = self.chunks[index]
         with self._sum_lock:  # after this, _add refuses the chunk (it is in _finalizing)
+            included = set(self.included[index])
             if self.robust is None:
                 self._start(index)
                 average = self.out[start:end].div_(self.weights[index])
             else:
-                own = self.robust.row(index, self.peer_id, end - start).copy_(self.own[start:end])
-                if self.own_residual is not None:
-                    own.add_(self.own_residual[start:end])
-                    self.own_residual[start:end] = 0
-                included = set(self.included[index])
+                self.robust.row(index, self.peer_id, end - start).copy_(self._own_row(index))
         if self.robust is not None:
             average = self.out[start:end]
-            self.weights[index] = self.robust.combine(index, included, end - start, average)
-        # Code the average plus what coding dropped from our last one, and use the decoded average ourselves
-        # too, so every member applies bit-identical values.
+            members, combined = self.robust.combine(index, included, end - start, average)
+            self.weights[index] = sum(combined.weights)
+            self.record.combined(index, members, combined.coefficients, combined.medoid, combined.gram)
+        else:
+            members = [m for m in self.group.members if m in included]
+            claims = [self.own_weight if m == self.peer_id else self.record.weights[self.group.rank_of(m)]
+                      for m in members]
+            self.record.combined(index, members, [c / sum(claims) for c in claims])
+        # Code the average plus what coding dropped from our last one (kept within half a step of this average,
+        # see verify/payloads.py), and use the decoded average ourselves too, so every member applies
+        # bit-identical values.
         residual = self.residual[start:end] if self.residual is not None else None
+        if residual is not None:
+            int8 = not self.codec_config.lossless and end - start >= max(self.codec_config.min_compress_numel, 1)
+            clamp_residual(average, residual, self.codec_config.block_size, int8)
         payload, _ = encode_with_feedback(
             average, self.codec_config, self.peer_id, carried=residual, dropped=residual, decoded=average)
+        self.record.sign_output(index, payload)
         return payload
 
     def exclude(self, sender: str, reason: str) -> None:
@@ -193,39 +219,64 @@ class SpanReducer:
             await self._send(writer, pb.ReduceResponse(code=code, message=message))
             await wait_for_close(reader)  # its chunks may follow the request: closing now could drop the refusal
             return
+        try:
+            self.record.request(sender, request)
+        except ProtocolViolation as e:  # credentials that do not check out
+            self.exclude(sender, e.message)
+            await self._send(writer, pb.ReduceResponse(code=pb.BAD_REQUEST, message=e.message[:300]))
+            await wait_for_close(reader)
+            return
         self.serving.add(sender)
         if self.robust is not None:
             self.robust.claims[sender] = request.weight
         answers = asyncio.ensure_future(self._answer(sender, writer))
+        intact = True
         try:
             await self._receive(sender, request.weight, reader)
-        except (ProtocolViolation, CodecError, ConnectionError, OSError) as e:
+        except (ProtocolViolation, CodecError, ConnectionError, OSError, TimeoutError) as e:
             self.exclude(sender, str(e))
+            intact = False
+        finally:
+            self.record.unsealed(sender)  # a no-op once sealed
         await answers
+        if intact:
+            try:
+                await self.record.serve(sender, reader, writer)
+            except (ProtocolViolation, ConnectionError, OSError, TimeoutError) as e:
+                logger.info("Round %s: verification with %s on span %d ended: %s", self.group.round_id, sender,
+                            self.rank, e)
         # Let the sender close the stream: closing it from here could cut averages still in flight in p2pd's
-        # buffers on a slow link (over QUIC, closing with input unread drops them every time). A sender that
-        # sends more after its last chunk is not waited for; one excluded mid-stream (an oversized or
-        # undecodable chunk) may still have the rest of its chunks on the way, which are read and dropped.
-        rest = LINGER_BYTES if sender in self.excluded else 1
+        # buffers on a slow link (over QUIC, closing with input unread drops them every time). One excluded
+        # mid-stream (an oversized or undecodable chunk) may still have the rest of its chunks on the way, which
+        # are read and dropped.
+        rest = LINGER_BYTES if not intact else 1
         await wait_for_close(reader, self.config.join_timeout, max_discard=rest)
 
     async def _receive(self, sender: str, weight: float, reader: asyncio.StreamReader) -> None:
+        """``sender``'s chunks, then its seal. Chunks after it was excluded (too slow) are still read and hashed:
+        its seal covers them, and without it the chunks it is in are void."""
         scratch = torch.empty(min(self.numel, self.config.chunk_numel), dtype=torch.float32)
         adding: asyncio.Future[None] | None = None
         for index, (start, end) in enumerate(self.chunks):
-            if self.robust is not None and index >= WINDOW:
+            if self.robust is not None and index >= WINDOW and sender not in self.excluded:
                 await self.ready[index - WINDOW].wait()  # bounds the decoded chunks held (robust.py)
             data = await read_frame(reader, max_payload_bytes(end - start), sender, f"chunk {index}")
             self.bytes_received += frame_size(len(data))
+            self.record.received(sender, index, data)
             if adding is not None:
                 await adding  # a large chunk decodes in a thread while the next one arrives
             if sender in self.excluded:
-                return
+                continue
             adding = asyncio.ensure_future(
                 run_chunk_work(end - start, self._add, data, sender, weight, index, scratch))
             adding.add_done_callback(functools.partial(self._added, sender=sender, index=index))
         if adding is not None:
             await adding
+        message = await read_verify(reader, sender, self.config.verification.timeout)
+        if message.WhichOneof("body") != "seal":
+            raise ProtocolViolation(f"{sender} sent no seal after its last chunk", peer_id=sender)
+        self.bytes_received += frame_size(message.ByteSize())
+        self.record.seal(sender, bytes(message.seal))
 
     def _add(self, data: bytes, sender: str, weight: float, index: int, scratch: torch.Tensor) -> None:
         start, end = self.chunks[index]
@@ -274,8 +325,11 @@ class SpanReducer:
                 response = pb.ReduceResponse(
                     code=pb.OK, chunk_index=index, contributors=len(self.included[index]),
                     total_weight=self.weights[index], included=sender in self.included[index],
+                    signature=self.record.signatures[index],
                 )
                 await self._send(writer, response, payload)
+            statement = await self.record.statement(self.ready)
+            self.bytes_sent += await write_verify(writer, pb.VerifyMessage(statement=statement))
         except (ConnectionError, OSError) as e:
             logger.info("Round %s: could not return span %d to %s: %s", self.group.round_id, self.rank, sender, e)
         finally:

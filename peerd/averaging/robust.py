@@ -55,9 +55,9 @@ class RobustChunks:
             self.rows[index] = rows
         return rows[self.group.rank_of(member), :numel]
 
-    def combine(self, index: int, included: set[str], numel: int, out: torch.Tensor) -> float:
+    def combine(self, index: int, included: set[str], numel: int, out: torch.Tensor) -> tuple[list[str], Combined]:
         """Combines chunk ``index`` over the ``included`` members (their rows, the reducer's own included) into
-        ``out``; returns the total weight it used."""
+        ``out``; returns those members in rank order and what the rule did."""
         rows = self.rows.pop(index)
         members = [m for m in self.group.members if m in included]
         ranks = [self.group.rank_of(m) for m in members]
@@ -68,7 +68,7 @@ class RobustChunks:
         self.spare.append(rows)
         if numel:  # an empty span's chunk capped weights but combined nothing: not worth a report
             self._note(index, members, claims, result)
-        return sum(result.weights)
+        return members, result
 
     def _note(self, index: int, members: list[str], claims: list[float], result: Combined) -> None:
         for member, claim, kept, weight in zip(members, claims, result.kept, result.weights, strict=True):

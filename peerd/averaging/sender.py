@@ -1,6 +1,9 @@
 """A member's side of one reducer's span: its coded contribution goes out and the coded average comes back,
-chunk by chunk, on one stream. Chunks whose average never arrives keep this member's own values; error
-feedback is carried only for the chunks the reducer says it included.
+chunk by chunk, on one stream; then, on the same stream, the span's verification (protocols/
+peerd_averaging.proto): the sender seals what it sent, takes the reducer's statement, reveals its seed share,
+sends its samples and, if the span fails its checks, challenges the reducer for the rows of a failing chunk.
+Chunks whose average never arrives keep this member's own values; error feedback is carried only for the
+chunks the reducer says it included.
 
 The next chunk is coded while the current one drains into p2pd, and the first one while the stream opens,
 so the uplink never waits for the codec."""
@@ -11,12 +14,18 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+import blake3
 import torch
 
 from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
+from peerd.averaging.verify.payloads import envelope, view
+from peerd.averaging.verify.round import RoundVerification
+from peerd.averaging.verify.samples import OwnRow
+from peerd.averaging.verify.statement import SEAL, seal_parts
+from peerd.averaging.verify.streams import read_verify, write_verify
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -26,6 +35,8 @@ from peerd.wire.frames import frame_size, read_frame, read_message, write_frames
 from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
+
+Coded = tuple[bytearray, float, bytes, torch.Tensor]  # payload, norm, hash, envelope
 
 
 @dataclass
@@ -44,6 +55,8 @@ class SpanExchange:
     report: RoundReport
     config: AveragingConfig
     codec_config: CodecConfig
+    verification: RoundVerification
+    sent: torch.Tensor  # what every member decodes of this member's contributions, flat
     received: set[int] = field(default_factory=set)
     errors: list[float] = field(default_factory=list)
 
@@ -54,20 +67,28 @@ class SpanExchange:
         self.source = self.flat[start:end]
         self.carried = self.residual[start:end] if self.residual is not None else None
         self.out = self.result[start:end]
+        self.decoded = self.sent[start:end]
         # What quantization drops from each chunk, committed to the residual once the chunk is included.
         self.dropped = torch.empty_like(self.source) if self.residual is not None else None
         self.norms: dict[int, float] = {}
+        self.hashes: list[bytes] = []
+        self.envelopes: list[torch.Tensor] = []
 
     async def run(self) -> None:
+        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
             # the reducer itself may wait round_timeout for a slow member before it averages a chunk
-            await asyncio.wait_for(self._exchange(), self.config.round_timeout + self.config.join_timeout)
+            stream = await asyncio.wait_for(self._exchange(), self.config.round_timeout + self.config.join_timeout)
+            await self._verify(*stream)
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
             logger.warning("Round %s: reducer %s of span %d failed: %s", self.group.round_id, self.member,
                            self.index, reason)
             self.report.excluded.setdefault(self.member, reason)
             self.report.failed_spans.append(self.index)
+        finally:
+            if stream is not None:
+                stream[1].close()
         start = self.span[0]
         for k, (a, b) in enumerate(self.chunks):
             if k not in self.received:
@@ -75,16 +96,22 @@ class SpanExchange:
         if self.errors:
             self.report.codec_error = max(self.report.codec_error, max(self.errors))
 
-    def _encode(self, k: int) -> asyncio.Future[tuple[bytearray, float]]:
+    def _code(self, k: int) -> Coded:
         a, b = self.chunks[k]
         # what coding drops goes to `dropped`, committed to the residual once the reducer includes the chunk
-        return asyncio.ensure_future(run_chunk_work(
-            b - a, encode_with_feedback, self.source[a:b], self.codec_config, self.guard.peer_id,
+        payload, norm = encode_with_feedback(
+            self.source[a:b], self.codec_config, self.guard.peer_id,
             carried=self.carried[a:b] if self.carried is not None else None,
-            dropped=self.dropped[a:b] if self.dropped is not None else None, with_norm=True,
-        ))
+            dropped=self.dropped[a:b] if self.dropped is not None else None, decoded=self.decoded[a:b],
+            with_norm=True)
+        bound = envelope(view(payload), self.decoded[a:b], self.codec_config.block_size)
+        return payload, norm, blake3.blake3(payload).digest(), bound
 
-    async def _exchange(self) -> None:
+    def _encode(self, k: int) -> asyncio.Future[Coded]:
+        a, b = self.chunks[k]
+        return asyncio.ensure_future(run_chunk_work(b - a, self._code, k))
+
+    async def _exchange(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         first = self._encode(0)  # coded while the stream opens
         try:
             reader, writer = await self.guard.open(self.member, self.handler)
@@ -101,26 +128,38 @@ class SpanExchange:
                     task.result()
             await collecting
             await sending
+        except BaseException:
+            writer.close()
+            raise
         finally:
             sending.cancel()
             collecting.cancel()
-            writer.close()
+        return reader, writer
 
-    async def _send(self, writer: asyncio.StreamWriter, first: asyncio.Future[tuple[bytearray, float]]) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, first: asyncio.Future[Coded]) -> None:
+        v = self.verification
         request = pb.ReduceRequest(
             protocol_version=PROTOCOL_VERSION, round_id=self.group.round_id, span_index=self.index,
             span_numel=self.source.numel(), weight=self.weight, chunk_numel=self.config.chunk_numel,
+            credentials=v.session.credentials, seed_commitment=v.commitment,
         )
         sent = await write_message(writer, request)
         self.report.bytes_sent += sent  # after the await: the report is shared by the exchanges running at once
-        coding: asyncio.Future[tuple[bytearray, float]] | None = first
+        coding: asyncio.Future[Coded] | None = first
         for k in range(len(self.chunks)):
             assert coding is not None  # set for every chunk but after the last
-            payload, self.norms[k] = await coding
+            payload, self.norms[k], digest, bound = await coding
+            self.hashes.append(digest)
+            self.envelopes.append(bound)
             coding = self._encode(k + 1) if k + 1 < len(self.chunks) else None  # coded while this one drains
             # length and payload in one write: a lone 8-byte write would be a frame of its own on the wire
             sent = await write_frames(writer, [payload])
             self.report.bytes_sent += sent  # after the await: several reducers are fed at once
+        seal = v.session.sign(SEAL, *seal_parts(self.group.round_id, self.index, self.source.numel(),
+                                                self.config.chunk_numel, self.weight, self.hashes))
+        v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes)
+        v.own_hashes[self.index] = self.hashes
+        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(seal=seal))
 
     async def _collect_all(self, reader: asyncio.StreamReader) -> None:
         for k in range(len(self.chunks)):
@@ -139,9 +178,46 @@ class SpanExchange:
         self.report.bytes_received += frame_size(len(data))
         await run_chunk_work(b - a, codec.decode, data, peer_id=self.member, expected_shape=(b - a,),
                              out=self.out[a:b])
+        # hashed for this member's samples: two members holding different signed averages convict the reducer
+        digest = await run_chunk_work(b - a, lambda: blake3.blake3(data).digest())
+        self.verification.outputs.setdefault(self.index, {})[k] = (data, bytes(response.signature), digest)
         self.received.add(k)
         # included => the reducer got our chunk k, so its encoding (and `dropped`) is complete
         if self.carried is not None and self.dropped is not None and response.included:
             self.carried[a:b] = self.dropped[a:b]
             norm = self.norms.get(k, 0.0)
             self.errors.append(float(self.dropped[a:b].norm()) / norm if norm else 0.0)
+
+    async def _verify(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The span's verification: statement in, seed share and samples out, the verdict, a challenge."""
+        v = self.verification
+        timeout = self.config.verification.timeout
+        message = await read_verify(reader, self.member, timeout, self.report)
+        if message.WhichOneof("body") != "statement":
+            raise ProtocolViolation(f"{self.member} sent no statement of its span", peer_id=self.member)
+        await v.statement_from(self.index, message.statement)
+        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
+        mine = await v.my_samples()
+        if mine is not None:
+            self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=mine))
+        verdict = await v.verdict(self.index)
+        if verdict.challenge is None:
+            return
+        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(challenge=verdict.challenge))
+        rows: dict[int, bytes] | None = None
+        try:
+            answer = await read_verify(reader, self.member, 3 * timeout, self.report)
+            if answer.WhichOneof("body") == "answer" and answer.answer.ok and \
+                    answer.answer.chunk_index == verdict.challenge:
+                a, b = self.chunks[verdict.challenge]
+                included = v.statements[self.index].chunks[verdict.challenge].included
+                rows = {}
+                for rank in included:
+                    async with asyncio.timeout(timeout):
+                        rows[rank] = await read_frame(reader, max_payload_bytes(b - a), self.member, "revealed row")
+                    self.report.bytes_received += frame_size(len(rows[rank]))
+        except (ProtocolViolation, TimeoutError, ConnectionError, OSError) as e:
+            logger.warning("Round %s: %s did not answer the challenge of span %d: %s", self.group.round_id,
+                           self.member, self.index, e)
+            rows = None
+        await v.judge(self.index, verdict.challenge, rows)

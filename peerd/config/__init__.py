@@ -35,6 +35,7 @@ from peerd.config.training import (
     TaskConfig,
     TrainingConfig,
 )
+from peerd.config.verification import VerificationConfig
 
 __all__ = [
     "DEFAULT_CONTROL_PORT",
@@ -58,6 +59,7 @@ __all__ = [
     "SwarmConfig",
     "TaskConfig",
     "TrainingConfig",
+    "VerificationConfig",
     "config_error_from",
     "dump_config",
     "load_config",

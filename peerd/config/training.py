@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from peerd.config.base import Section
 from peerd.config.diloco import DilocoConfig
+from peerd.config.verification import VerificationConfig
 
 
 class CodecConfig(Section):
@@ -85,6 +86,7 @@ class AveragingConfig(Section):
     clip_iterations: int = Field(
         default=3, ge=1, le=50, description="centered_clip: fixed-point iterations per chunk."
     )
+    verification: VerificationConfig = Field(default_factory=lambda: VerificationConfig())
 
     @model_validator(mode="after")
     def _check_sizes(self) -> AveragingConfig:

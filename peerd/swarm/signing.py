@@ -37,7 +37,7 @@ from hivemind.proto import crypto_pb2
 from peerd.errors import IdentityError, ProtocolViolation
 from peerd.wire.membership import Membership
 
-__all__ = ["DROP_REASONS", "RecordSigner", "RecordVerifier", "key_id", "peer_id_of"]
+__all__ = ["DROP_REASONS", "RecordSigner", "RecordVerifier", "key_id", "peer_id_of", "verify_detached"]
 
 DROP_REASONS = ("malformed", "expiration_mismatch", "wrong_signer", "bad_signature", "not_member")
 _LABEL = b"peerd.v1.record"
@@ -95,6 +95,32 @@ class RecordSigner:
         signature = self._key.sign(message, _PSS, hashes.SHA256())
         tag = self._membership.tag(_TAG_LABEL, self.peer_id.encode(), message)
         return {"p": data, "k": self.public_key, "s": signature, "t": tag, "e": float(expiration)}
+
+    def sign_detached(self, label: bytes, message: bytes) -> bytes:
+        """An RSA-PSS signature over ``label`` and ``message`` (outside the DHT: e.g. a session key's
+        certificate), checked by :func:`verify_detached`."""
+        return bytes(self._key.sign(_detached(label, message), _PSS, hashes.SHA256()))
+
+
+def _detached(label: bytes, message: bytes) -> bytes:
+    return b"".join(len(part).to_bytes(4, "big") + part for part in (_LABEL + b"/detached", label, message))
+
+
+def verify_detached(public_key: bytes, label: bytes, message: bytes, signature: bytes) -> str:
+    """The peer id of ``public_key`` if ``signature`` is its :meth:`RecordSigner.sign_detached` over ``label``
+    and ``message``; ProtocolViolation otherwise."""
+    if len(public_key) > MAX_PUBLIC_KEY or len(signature) > MAX_SIGNATURE:
+        raise ProtocolViolation("detached signature or key too large", peer_id="unknown", reason="malformed")
+    key = _public_key(public_key)
+    if key is None:
+        raise ProtocolViolation("not an RSA public key", peer_id="unknown", reason="malformed")
+    signer = peer_id_of(public_key)
+    try:
+        key.verify(signature, _detached(label, message), _PSS, hashes.SHA256())
+    except InvalidSignature:
+        raise ProtocolViolation(f"signature claiming signer {signer} does not verify", peer_id=signer,
+                                reason="bad_signature") from None
+    return signer
 
 
 @dataclass(frozen=True)

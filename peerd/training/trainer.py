@@ -62,7 +62,7 @@ class CollaborativeTrainer:
                                      device=str(self.local.device), precision=config.precision,
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
-        self.reducer = AllReducer(guard, averaging)
+        self.reducer = AllReducer(guard, averaging, swarm.signer)
         self.rounds = RoundRunner(Matchmaker(swarm, averaging), self.reducer, self.report, self.progress,
                                   averaging.codec, in_shard_order=self.lockstep is not None)
         directory = config.checkpoint.directory

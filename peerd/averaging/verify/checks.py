@@ -1,0 +1,150 @@
+"""A member's checks of one reducer's span, from the statement, every member's samples and its own average.
+
+Per chunk that is not void:
+
+1. **Coefficients.** The mean's follow from the sealed weights; centered_clip's from the published Gram matrix
+   and medoid (recomputed here with the reducer's own code), whose medoid must be a medoid of that matrix and
+   whose distances must agree with the members' sketches (a reducer understating how far its own row lies, or
+   overstating the others', to escape clipping in its own span, is caught here); trimmed_mean has none.
+2. **Samples.** At the sampled coordinates the rule is recomputed from the members' values and compared with
+   the average this member received, within the codec's bound read from the payload (payloads.py).
+3. **Envelope.** Per coarse block the average's magnitude stays within the coefficients' combination of the
+   rows' envelopes (the largest one for trimmed_mean).
+
+A check that fails means the reducer's average is not its rule applied to the sealed rows, or a member misstated
+its own row: only the rows can tell (disputes.py); this member applies nothing from the span either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, cap_weights, clip_coefficients
+from peerd.averaging.verify.payloads import ENVELOPE_SLACK, FP16_ABSOLUTE, TINY, PayloadView, envelope, error_bound
+from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness
+from peerd.averaging.verify.samples import MemberSamples
+from peerd.averaging.verify.statement import Chunk, Statement
+from peerd.config import AveragingConfig
+
+__all__ = ["Inconsistent", "check_chunk", "check_medoid", "coefficients_of", "trimmed_at"]
+
+COEFFICIENT_TOLERANCE = 1e-6
+ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes summed
+# A sketched squared distance over the true one: for rows whose difference is an outer product in the sketch's
+# layout, the worst case, the ratio of 16 projections falls outside [0.019, 14.4] with probability 1e-6
+# (simulated); independent signs would give [0.09, 3.5].
+SKETCH_LOW, SKETCH_HIGH = 0.015, 16.0
+SKETCH_FLOAT = 1e-5
+MEDOID_TOLERANCE = 1e-3
+
+
+class Inconsistent(Exception):  # noqa: N818 - a verdict, raised where a check fails
+    """The span's chunk ``chunk`` is not what its statement and the members' samples say."""
+
+    def __init__(self, chunk: int, reason: str) -> None:
+        super().__init__(f"chunk {chunk}: {reason}")
+        self.chunk = chunk
+        self.reason = reason
+
+
+def coefficients_of(statement: Statement, chunk: Chunk, config: AveragingConfig) -> torch.Tensor | None:
+    """The coefficients the statement's rule gives ``chunk``'s rows (None for trimmed_mean), checked against
+    the published ones; ValueError if the reducer's numbers do not follow from its rule."""
+    weights = [statement.rows[r].weight for r in chunk.included]
+    n = len(weights)
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError("a row's weight is not finite and positive")
+    if statement.rule == "mean":
+        expected = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    elif n < ROBUST_MIN_MEMBERS:
+        capped = torch.tensor(cap_weights(weights, config.max_weight_ratio), dtype=torch.float64)
+        expected = capped / capped.sum()
+    elif statement.rule == "trimmed_mean":
+        return None
+    else:
+        if chunk.gram is None:
+            raise ValueError("centered_clip without a Gram matrix")
+        check_medoid(chunk.gram, chunk.medoid)
+        expected, _ = clip_coefficients(chunk.gram, cap_weights(weights, config.max_weight_ratio), chunk.medoid,
+                                        config.clip_radius, config.clip_iterations)
+    published = chunk.coefficients
+    if published is None or (torch.tensor(published, dtype=torch.float64) - expected).abs().max() > \
+            COEFFICIENT_TOLERANCE:
+        raise ValueError(f"published coefficients {published} are not its rule's {expected.tolist()}")
+    return expected
+
+
+def _distances(gram: torch.Tensor) -> torch.Tensor:
+    diagonal = gram.diagonal()
+    return (diagonal[:, None] + diagonal[None, :] - 2 * gram).clamp_min(0)
+
+
+def check_medoid(gram: torch.Tensor, medoid: int) -> None:
+    if not bool(gram.isfinite().all()) or float((gram - gram.t()).abs().max()) > 1e-6 * float(
+            gram.diagonal().abs().max() + 1e-300):
+        raise ValueError("the Gram matrix is not a finite symmetric matrix")
+    squared = _distances(gram)
+    n = gram.shape[0]
+    medians = [sorted(float(squared[i, j]) for j in range(n) if j != i)[(n - 2) // 2] for i in range(n)]
+    scale = float(squared.max())
+    if medians[medoid] > min(medians) * (1 + MEDOID_TOLERANCE) + 1e-12 * scale:
+        raise ValueError(f"row {medoid} is not the medoid (median squared distance {medians[medoid]:.6g}, "
+                         f"least {min(medians):.6g})")
+
+
+def trimmed_at(values: torch.Tensor) -> torch.Tensor:
+    """The trimmed mean of ``values`` (rows x samples) per column, as aggregation.trimmed_mean computes it."""
+    n = values.shape[0]
+    trim = math.ceil(n / 4)
+    return values.sort(dim=0).values[trim : n - trim].mean(0)
+
+
+def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSamples], out: torch.Tensor,
+                payload: PayloadView, randomness: RoundRandomness, config: AveragingConfig) -> None:
+    """Raises Inconsistent if chunk ``index`` of the span (``out``: the average this member decoded, ``payload``:
+    its codec payload's view) does not agree with the statement and the included members' ``samples`` (by rank,
+    each holding this span)."""
+    chunk = statement.chunks[index]
+    try:
+        coefficients = coefficients_of(statement, chunk, config)
+    except ValueError as e:
+        raise Inconsistent(index, str(e)) from None
+    rows = [samples[r].spans[statement.span] for r in chunk.included]
+    offsets = randomness.offsets(statement.span, index, out.numel())
+    values = torch.stack([row.values[index] for row in rows])  # rows x samples, float64
+    magnitude = values.abs().max(0).values
+    if coefficients is None:
+        expected = trimmed_at(values)
+    else:
+        expected = coefficients @ values
+        magnitude = magnitude + coefficients.abs() @ values.abs()
+    got = out[offsets].double()
+    allowed = error_bound(payload, out, offsets) + ACCUMULATION * magnitude + TINY
+    if bool((got - expected).abs().gt(allowed).any()):
+        worst = int(((got - expected).abs() - allowed).argmax())
+        raise Inconsistent(index, f"at element {int(offsets[worst])} the average is {float(got[worst]):.6g}, "
+                                  f"the rule gives {float(expected[worst]):.6g}")
+    envelopes = torch.stack([row.envelope[index] for row in rows])
+    bound = envelopes.max(0).values if coefficients is None else coefficients.abs() @ envelopes
+    own = envelope(payload, out, config.codec.block_size).double()
+    if own.shape != bound.shape or bool(own.gt(bound * ENVELOPE_SLACK + FP16_ABSOLUTE).any()):
+        raise Inconsistent(index, "the average exceeds what its rows' magnitudes allow in some block")
+    if chunk.gram is not None and coefficients is not None and len(chunk.included) >= ROBUST_MIN_MEMBERS:
+        sketches = [row.sketch[index] if row.sketch is not None else None for row in rows]
+        _check_gram(chunk, index, sketches)
+
+
+def _check_gram(chunk: Chunk, index: int, sketches: list[torch.Tensor | None]) -> None:
+    if any(s is None for s in sketches):
+        raise Inconsistent(index, "centered_clip's distances cannot be checked: a row has no sketch")
+    stacked = torch.stack([s for s in sketches if s is not None])
+    assert chunk.gram is not None
+    claimed = _distances(chunk.gram)
+    sketched = ((stacked[:, None, :] - stacked[None, :, :]) ** 2).sum(-1) / SKETCH_SIZE
+    norms = (stacked**2).sum(-1) / SKETCH_SIZE
+    slack = SKETCH_FLOAT * (norms[:, None] + norms[None, :])
+    if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
+        raise Inconsistent(index, "the published Gram matrix disagrees with the rows' sketched distances")

@@ -1,0 +1,128 @@
+"""A member's samples: what it reveals of its own rows once the round's seed is known.
+
+For every span it has a row in (the span it reduces included), per chunk: its decoded row at the sampled
+coordinates, its envelope, and (centered_clip) its sketch. It signs them, so a member that misstates its own row
+to make an honest reducer's average look wrong is caught when that reducer reveals the sealed row
+(disputes.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from google.protobuf.message import DecodeError
+
+from peerd.averaging.verify.keys import KeyBook, SessionKey
+from peerd.averaging.verify.payloads import COARSE_BLOCKS
+from peerd.averaging.verify.randomness import SAMPLES, SKETCH_SIZE, RoundRandomness
+from peerd.errors import ProtocolViolation
+from peerd.proto import peerd_averaging_pb2 as pb
+
+__all__ = ["MemberSamples", "OwnRow", "SpanRows", "build_samples", "parse_samples"]
+
+LABEL = b"peerd.v1.averaging.samples"
+MAX_SAMPLES_BYTES = 16 << 20
+
+
+@dataclass
+class OwnRow:
+    """This member's decoded row in one span, its chunks' bounds and envelopes (filled while it is sent)."""
+
+    row: torch.Tensor
+    chunks: list[tuple[int, int]]
+    envelopes: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SpanRows:
+    """What one member states about its row in one span, per chunk."""
+
+    values: list[torch.Tensor]  # float64, at the chunk's sampled coordinates
+    envelope: list[torch.Tensor]  # float64, per coarse block
+    sketch: list[torch.Tensor] | None  # float64, SKETCH_SIZE projections
+    outputs: list[tuple[bytes, bytes]]  # (hash, reducer's signature) of each average it received
+
+
+@dataclass(frozen=True)
+class MemberSamples:
+    member: str
+    seed: bytes
+    spans: dict[int, SpanRows]
+    signed: pb.Signed
+
+
+def sample_count(length: int) -> int:
+    return SAMPLES if length > 0 else 0
+
+
+def envelope_count(length: int, block_size: int) -> int:
+    return -(-length // (COARSE_BLOCKS * block_size))
+
+
+def build_samples(key: SessionKey, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
+                  with_sketch: bool, outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]]) -> pb.Signed:
+    """``outputs``: span -> chunk -> (payload, signature, hash) of the averages this member received."""
+    message = pb.MemberSamples(round_id=round_id, member=key.peer_id, seed=randomness.seed,
+                               credentials=key.credentials)
+    for span, own in sorted(rows.items()):
+        entry = message.spans.add(span_index=span)
+        for index, ((a, b), envelope) in enumerate(zip(own.chunks, own.envelopes, strict=True)):
+            chunk = own.row[a:b]
+            entry.values.extend(chunk[randomness.offsets(span, index, b - a)].tolist())
+            entry.envelope.extend(envelope.tolist())
+            if with_sketch:
+                entry.sketch.extend(randomness.sketch(span, index, chunk).tolist())
+        received = outputs.get(span, {})
+        for index in range(len(own.chunks)):
+            if index not in received:
+                break
+            _, signature, digest = received[index]
+            entry.output_hashes.append(digest)
+            entry.output_signatures.append(signature)
+    body = message.SerializeToString()
+    return pb.Signed(body=body, signature=key.sign(LABEL, body))
+
+
+def parse_samples(signed: pb.Signed, member: str, round_id: str, seed: bytes,
+                  layout: dict[int, list[tuple[int, int]]], block_size: int, keys: KeyBook) -> MemberSamples:
+    """``member``'s samples for the spans in ``layout`` (span -> chunk bounds) it states (others are skipped);
+    ProtocolViolation naming it if they are not its, not of this round and seed, or do not fit the layout."""
+
+    def bad(reason: str) -> ProtocolViolation:
+        return ProtocolViolation(f"samples of {member} in {round_id}: {reason}", peer_id=member)
+
+    if len(signed.body) > MAX_SAMPLES_BYTES:
+        raise bad("too large")
+    try:
+        message = pb.MemberSamples.FromString(signed.body)
+    except DecodeError:
+        raise bad("malformed") from None
+    if message.member != member or not keys.valid(message.credentials, member, signed.signature, LABEL,
+                                                    signed.body):
+        raise bad("signature or credentials do not check out")
+    if message.round_id != round_id or message.seed != seed:
+        raise bad("drawn for another round or seed")
+    spans: dict[int, SpanRows] = {}
+    for entry in message.spans:
+        chunks = layout.get(entry.span_index)
+        if entry.span_index in spans:
+            raise bad(f"span {entry.span_index} twice")
+        if chunks is None:  # a span the caller does not ask about (a proof names one span only)
+            continue
+        sizes = [(sample_count(b - a), envelope_count(b - a, block_size)) for a, b in chunks]
+        if len(entry.values) != sum(s for s, _ in sizes) or len(entry.envelope) != sum(e for _, e in sizes) or (
+                entry.sketch and len(entry.sketch) != SKETCH_SIZE * len(chunks)) or len(entry.output_hashes) > len(
+                chunks) or len(entry.output_hashes) != len(entry.output_signatures):
+            raise bad(f"span {entry.span_index}: sizes do not fit its chunks")
+        values = torch.tensor(list(entry.values), dtype=torch.float64)
+        envelope = torch.tensor(list(entry.envelope), dtype=torch.float64)
+        if not bool(values.isfinite().all()) or not bool(envelope.isfinite().all()):
+            raise bad(f"span {entry.span_index}: non-finite values")
+        sketch = torch.tensor(list(entry.sketch), dtype=torch.float64).view(len(chunks), SKETCH_SIZE) \
+            if entry.sketch else None
+        spans[entry.span_index] = SpanRows(
+            list(values.split([s for s, _ in sizes])), list(envelope.split([e for _, e in sizes])),
+            list(sketch.unbind(0)) if sketch is not None else None,
+            [(bytes(h), bytes(g)) for h, g in zip(entry.output_hashes, entry.output_signatures, strict=True)])
+    return MemberSamples(member, seed, spans, signed)

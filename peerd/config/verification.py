@@ -1,0 +1,29 @@
+"""The verification of reductions: how long a step waits and how long a liar stays excluded."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from peerd.config.base import Section
+
+
+class VerificationConfig(Section):
+    """Every member checks every average it gets against what the members sent (docs/security.md)."""
+
+    timeout: float = Field(
+        default=10.0, gt=0,
+        description="Seconds each step of a round's verification (statements, seed shares, samples, a "
+        "challenge's rows) waits for a member; a member that misses one is left out of the round's checks, "
+        "and what cannot be checked is not applied.",
+    )
+    ban_seconds: float = Field(
+        default=86400.0, gt=0,
+        description="How long a peer proven to have lied (a wrong average, misstated samples, two different "
+        "averages of one chunk: evidence every member checks itself) stays out of every group and stream.",
+    )
+    suspect_seconds: float = Field(
+        default=600.0, gt=0,
+        description="How long a peer stays out after a fault only this peer saw and cannot prove to others (a "
+        "reducer that did not answer a challenge, or sent an average its own signature does not cover).",
+    )
+    max_bans: int = Field(default=1024, ge=16, description="Bans kept at most; the oldest go first.")
