@@ -72,6 +72,7 @@ class SpanReducer:
         self.expected = senders
         self.pending = [set(senders) for _ in self.chunks]  # whose chunk k we still wait for
         self.weights = [weight for _ in self.chunks]
+        self.claims = {peer_id: weight}  # the weight each member's rows entered the mean with
         self.included: list[set[str]] = [{peer_id} for _ in self.chunks]
         self.payloads: list[bytearray | None] = [None for _ in self.chunks]
         self.ready = [asyncio.Event() for _ in self.chunks]
@@ -149,8 +150,7 @@ class SpanReducer:
             self.record.combined(index, members, combined.coefficients, combined.medoid, combined.gram)
         else:
             members = [m for m in self.group.members if m in included]
-            claims = [self.own_weight if m == self.peer_id else self.record.weights[self.group.rank_of(m)]
-                      for m in members]
+            claims = [self.claims[m] for m in members]
             self.record.combined(index, members, [c / sum(claims) for c in claims])
         # Code the average plus what coding dropped from our last one (kept within half a step of this average,
         # see verify/payloads.py), and use the decoded average ourselves too, so every member applies
@@ -297,6 +297,7 @@ class SpanReducer:
             self._start(index)
             self.out[start:end].add_(chunk, alpha=weight)
             self.weights[index] += weight
+            self.claims[sender] = weight
             self.included[index].add(sender)
 
     def _check_open(self, index: int, sender: str) -> None:

@@ -197,9 +197,7 @@ class SpanExchange:
             raise ProtocolViolation(f"{self.member} sent no statement of its span", peer_id=self.member)
         await v.statement_from(self.index, message.statement)
         self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
-        mine = await v.my_samples()
-        if mine is not None:
-            self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=mine))
+        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
         verdict = await v.verdict(self.index)
         if verdict.challenge is None:
             return

@@ -13,11 +13,13 @@ from peerd.averaging.group import Group
 from peerd.averaging.reducer import SpanReducer
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.wire import codec
+from tests.identities import signers
+from tests.unit.reducers import make_reducer
 
 pytestmark = pytest.mark.timeout(30)
 
 CODEC = CodecConfig(min_compress_numel=0)
-ME, A, B, BAD = "12D3KooWReducer", "12D3KooWHonestA", "12D3KooWHonestB", "12D3KooWAttacker"
+ME, A, B, BAD = (signer.peer_id for signer in signers(4))
 
 
 def honest_rows(n: int, numel: int, spread: float, seed: int = 0) -> torch.Tensor:
@@ -82,7 +84,7 @@ def test_two_members_get_the_mean_of_capped_weights() -> None:
 
 def robust_reducer(own: torch.Tensor, out: torch.Tensor) -> SpanReducer:
     config = AveragingConfig(chunk_numel=1024, codec=CODEC)
-    return SpanReducer(Group("round", (ME, A, B, BAD)), 0, own, 32.0, config, CODEC, ME, out)
+    return make_reducer(Group("round", (ME, A, B, BAD)), own, 32.0, config, CODEC, out)
 
 
 def test_the_reducer_clips_the_attacker_and_says_so_whatever_the_arrival_order() -> None:

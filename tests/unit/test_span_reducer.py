@@ -16,20 +16,23 @@ from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds, split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION, check_request
+from peerd.averaging.verify.payloads import clamp_residual
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
+from tests.identities import signers
+from tests.unit import reducers
 
 pytestmark = pytest.mark.timeout(30)
 
 CODEC = CodecConfig(min_compress_numel=0)
 CONFIG = AveragingConfig(chunk_numel=1024, codec=CODEC, aggregation="mean")  # the streaming path
-ME, OTHER = "12D3KooWReducer", "12D3KooWSender"
+ME, OTHER = (signer.peer_id for signer in signers(2))
 GROUP = Group("round", (ME, OTHER))
 
 
 def make_reducer(own: torch.Tensor, out: torch.Tensor, **kwargs: torch.Tensor) -> SpanReducer:
-    return SpanReducer(GROUP, 0, own, 2.0, CONFIG, CODEC, ME, out, **kwargs)
+    return reducers.make_reducer(GROUP, own, 2.0, CONFIG, CODEC, out, **kwargs)
 
 
 def test_nothing_is_written_before_a_chunk_is_touched() -> None:
@@ -41,7 +44,8 @@ def test_nothing_is_written_before_a_chunk_is_touched() -> None:
         assert torch.isnan(out).all() and bool((own_residual == 1).all())
         reducer._add(bytes(codec.encode(torch.ones(1024), CODEC)), OTHER, 1.0, 0, torch.empty(1024))
         assert not torch.isnan(out[:1024]).any() and torch.isnan(out[1024:]).all()
-        assert bool((own_residual[:1024] == 0).all()) and bool((own_residual[1024:] == 1).all())
+        # the first chunk's own row is coded (its residual now holds what coding dropped), the rest untouched
+        assert float(own_residual[:1024].abs().max()) < 0.1 and bool((own_residual[1024:] == 1).all())
         reducer.close()
 
     asyncio.run(body())
@@ -51,10 +55,14 @@ def test_chunk_average_and_both_residuals_match_the_eager_formula() -> None:
     async def body() -> None:
         own, theirs = torch.randn(1024), torch.randn(1024)
         own_residual, residual = 0.1 * torch.randn(1024), 0.01 * torch.randn(1024)
-        expected_sum = 2.0 * (own + own_residual)
+        own_row = codec.decode(codec.encode(own + own_residual, CODEC), peer_id=ME)  # coded like any member's row
+        expected_sum = 2.0 * own_row
         payload = bytes(codec.encode(theirs, CODEC))
         expected_sum += 3.0 * codec.decode(payload, peer_id=OTHER)
-        carried = expected_sum / 5.0 + residual  # what the reducer codes: the average plus its carried error
+        average = expected_sum / 5.0
+        clamped = residual.clone()
+        clamp_residual(average, clamped, CODEC.block_size, int8=True)  # within half a step of the average
+        carried = average + clamped  # what the reducer codes: the average plus its carried error
         expected_payload = codec.encode(carried, CODEC)
         expected_out = codec.decode(expected_payload, peer_id=ME)
 
@@ -65,7 +73,7 @@ def test_chunk_average_and_both_residuals_match_the_eager_formula() -> None:
         assert bytes(got) == bytes(expected_payload)
         assert torch.equal(out, expected_out)
         assert torch.allclose(reducer.residual, carried - expected_out, atol=1e-6)
-        assert bool((reducer.own_residual == 0).all())
+        assert torch.allclose(reducer.own_residual, own + own_residual - own_row, atol=1e-6)
         reducer.close()
 
     asyncio.run(body())
@@ -97,11 +105,13 @@ def test_requests_are_checked_against_the_reducers_view() -> None:
     async def body() -> None:
         reducer = make_reducer(torch.zeros(3000), torch.empty(3000))
         good = pb.ReduceRequest(protocol_version=PROTOCOL_VERSION, round_id="round", span_index=0, span_numel=3000,
-                                weight=1.0, chunk_numel=1024)
+                                weight=1.0, chunk_numel=1024, seed_commitment=bytes(32),
+                                credentials=pb.Credentials(session_key=bytes(32)))
         assert check_request(reducer.view, OTHER, good, set()) is None
         assert check_request(reducer.view, "12D3KooWStranger", good, set())[0] == pb.NOT_A_MEMBER
         for field, value in [("protocol_version", 99), ("span_index", 1), ("span_numel", 3001),
-                             ("chunk_numel", 2048), ("weight", math.inf), ("weight", 0.0)]:
+                             ("chunk_numel", 2048), ("weight", math.inf), ("weight", 0.0),
+                             ("seed_commitment", b"")]:
             bad = pb.ReduceRequest()
             bad.CopyFrom(good)
             setattr(bad, field, value)

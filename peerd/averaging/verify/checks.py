@@ -18,12 +18,18 @@ its own row: only the rows can tell (disputes.py); this member applies nothing f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, cap_weights, clip_coefficients
-from peerd.averaging.verify.payloads import ENVELOPE_SLACK, FP16_ABSOLUTE, TINY, PayloadView, envelope, error_bound
+from peerd.averaging.verify.payloads import (
+    ENVELOPE_SLACK,
+    FP16_ABSOLUTE,
+    TINY,
+    PayloadView,
+    envelope,
+    error_bound,
+)
 from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import Chunk, Statement
@@ -41,7 +47,7 @@ SKETCH_FLOAT = 1e-5
 MEDOID_TOLERANCE = 1e-3
 
 
-class Inconsistent(Exception):  # noqa: N818 - a verdict, raised where a check fails
+class Inconsistent(Exception):
     """The span's chunk ``chunk`` is not what its statement and the members' samples say."""
 
     def __init__(self, chunk: int, reason: str) -> None:

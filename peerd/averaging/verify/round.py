@@ -75,8 +75,8 @@ class RoundVerification:
         self.verdicts: dict[int, Verdict] = {}
         self.own_void: list[int] = []
         self._changed = asyncio.Condition()
-        self._randomness: asyncio.Future[RoundRandomness | None] | None = None
-        self._mine: asyncio.Future[pb.Signed | None] | None = None
+        self._randomness: asyncio.Future[RoundRandomness] | None = None
+        self._mine: asyncio.Future[pb.Signed] | None = None
 
     # --- gathering ----------------------------------------------------------------------------------------------
 
@@ -116,28 +116,30 @@ class RoundVerification:
 
     # --- the seed and this member's samples --------------------------------------------------------------------
 
-    def randomness(self) -> Awaitable[RoundRandomness | None]:
+    def randomness(self) -> Awaitable[RoundRandomness]:
         if self._randomness is None:
             self._randomness = asyncio.ensure_future(self._draw())
         return self._randomness
 
     async def _draw(self) -> RoundRandomness | None:
-        if not await self._until(lambda: set(self.shares) >= set(self.group.members)):
-            missing = sorted(set(self.group.members) - set(self.shares))
-            logger.warning("Round %s: no seed share from %s; its averages cannot be checked", self.group.round_id,
-                           ", ".join(missing))
-            return None
-        return RoundRandomness(round_seed(self.group.round_id, self.shares), self.chunk_numel)
+        """The seed from the shares of every member that committed to one in a request to this peer (a member
+        that never reached it is in no average here); after the timeout, from the shares revealed so far: a
+        member that commits and never reveals delays the round's checks, it cannot stop them."""
+        expected = set(self.commitments) | {self.me}
+        if not await self._until(lambda: set(self.shares) >= expected):
+            logger.warning("Round %s: no seed share from %s within %.0f s; drawing from the others'",
+                           self.group.round_id, ", ".join(sorted(expected - set(self.shares))),
+                           self.config.verification.timeout)
+        shares = {member: self.shares[member] for member in expected if member in self.shares}
+        return RoundRandomness(round_seed(self.group.round_id, shares), self.chunk_numel)
 
-    def my_samples(self) -> Awaitable[pb.Signed | None]:
+    def my_samples(self) -> Awaitable[pb.Signed]:
         if self._mine is None:
             self._mine = asyncio.ensure_future(self._build_mine())
         return self._mine
 
-    async def _build_mine(self) -> pb.Signed | None:
+    async def _build_mine(self) -> pb.Signed:
         randomness = await self.randomness()
-        if randomness is None:
-            return None
         signed = await asyncio.to_thread(build_samples, self.session, self.group.round_id, randomness,
                                          dict(self.own_rows), self.with_sketch, self.outputs)
         await self.samples_from(self.me, signed)
@@ -159,8 +161,7 @@ class RoundVerification:
         if statement is None:
             return Verdict(False, self.problems.get(span, "no statement from its reducer"))
         randomness = await self.randomness()
-        if randomness is None or await self.my_samples() is None:
-            return Verdict(False, "the round's seed could not be drawn")
+        await self.my_samples()
         needed = {self.group.members[r] for chunk in statement.chunks if not chunk.void for r in chunk.included}
         await self._until(lambda: set(self.unparsed) >= needed)
         problems: dict[str, str] = {}
@@ -171,8 +172,8 @@ class RoundVerification:
                                                      self.keys)
             except ProtocolViolation as e:
                 problems[member] = e.message
-        for member in self.samples.values():
-            self._compare_outputs(member, span)
+        for stated in self.samples.values():
+            self._compare_outputs(stated, span)
         missing = sorted(needed - set(self.samples))
         if missing:
             return Verdict(False, "; ".join(problems.get(m, f"no samples from {m}") for m in missing))

@@ -122,7 +122,7 @@ def parse_samples(signed: pb.Signed, member: str, round_id: str, seed: bytes,
         sketch = torch.tensor(list(entry.sketch), dtype=torch.float64).view(len(chunks), SKETCH_SIZE) \
             if entry.sketch else None
         spans[entry.span_index] = SpanRows(
-            list(values.split([s for s, _ in sizes])), list(envelope.split([e for _, e in sizes])),
+            list(torch.split(values, [s for s, _ in sizes])), list(torch.split(envelope, [e for _, e in sizes])),
             list(sketch.unbind(0)) if sketch is not None else None,
             [(bytes(h), bytes(g)) for h, g in zip(entry.output_hashes, entry.output_signatures, strict=True)])
     return MemberSamples(member, seed, spans, signed)

@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from google.protobuf.message import DecodeError
 
 from peerd.averaging.group import Group
-from peerd.averaging.verify.keys import KeyBook, SessionKey, digest, f64, u64
+from peerd.averaging.verify.keys import KeyBook, SessionKey, f64, u64
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
@@ -120,7 +121,7 @@ def _chunk(record: pb.ChunkRecord, index: int, rows: dict[int, Row]) -> Chunk:
     """One chunk's record; ValueError naming what does not fit."""
     included = list(record.included)
     n = len(included)
-    if any(b <= a for a, b in zip(included, included[1:])) or any(
+    if any(b <= a for a, b in itertools.pairwise(included)) or any(
             r not in rows or len(rows[r].hashes) <= index for r in included):
         raise ValueError(f"chunk {index} includes ranks without a row: {included[:64]}")
     if record.coefficients and len(record.coefficients) != n:

@@ -32,7 +32,8 @@ async def read_verify_or_eof(reader: asyncio.StreamReader, peer: str, timeout: f
     if report is not None:
         report.bytes_received += frame_size(len(data))
     try:
-        return pb.VerifyMessage.FromString(data)
+        message: pb.VerifyMessage = pb.VerifyMessage.FromString(data)  # protobuf's runtime is untyped
+        return message
     except DecodeError:
         raise ProtocolViolation(f"{peer} sent a malformed verification message", peer_id=peer) from None
 
