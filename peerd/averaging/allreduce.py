@@ -35,6 +35,7 @@ from peerd.averaging.layout import chunk_bounds, split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.sender import SpanExchange
+from peerd.averaging.serving import SenderStream
 from peerd.averaging.verify.bans import BanList
 from peerd.averaging.verify.keys import Identity, KeyBook, SessionKey
 from peerd.averaging.verify.proofs import Evidence
@@ -238,7 +239,7 @@ class AllReducer:
                 )
                 await wait_for_close(reader)  # its chunks may follow the request: closing now could drop this
                 return
-            await reducer.serve(sender, request, reader, writer)
+            await SenderStream(reducer, sender, reader, writer).run(request)
         except ProtocolViolation as e:
             logger.warning("Dropping averaging stream from %s: %s", sender, e)
         except (ConnectionError, asyncio.IncompleteReadError, OSError, TimeoutError) as e:

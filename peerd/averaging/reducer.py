@@ -17,7 +17,6 @@ independent of arrival order."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 
@@ -25,18 +24,15 @@ import torch
 
 from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Clipping, Group
-from peerd.averaging.layout import chunk_bounds, max_payload_bytes
-from peerd.averaging.requests import SpanView, check_request
-from peerd.averaging.robust import WINDOW, RobustChunks, rule_label
+from peerd.averaging.layout import chunk_bounds
+from peerd.averaging.requests import SpanView
+from peerd.averaging.robust import RobustChunks, rule_label
 from peerd.averaging.verify.payloads import clamp_residual, envelope, view
 from peerd.averaging.verify.record import SpanRecord
-from peerd.averaging.verify.streams import read_verify, write_verify
 from peerd.config import AveragingConfig, CodecConfig
-from peerd.errors import CodecError, ProtocolViolation
-from peerd.proto import peerd_averaging_pb2 as pb
+from peerd.errors import ProtocolViolation
 from peerd.wire import codec
 from peerd.wire.feedback import encode_with_feedback
-from peerd.wire.frames import LINGER_BYTES, frame_size, read_frame, wait_for_close, write_frames
 
 logger = logging.getLogger(__name__)
 
@@ -205,80 +201,17 @@ class SpanReducer:
         for event in self.ready:
             event.set()
 
-    # --- one sender's stream ----------------------------------------------------------------------------------
+    # --- one sender's chunks (its stream: serving.py) ------------------------------------------------------------
 
-    async def serve(
-        self, sender: str, request: pb.ReduceRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self.bytes_received += frame_size(request.ByteSize())
-        problem = check_request(self.view, sender, request, set(self.excluded) | self.serving)
-        if problem is not None:
-            code, message = problem
-            if code == pb.BAD_REQUEST:  # a member that sends nonsense is not waited for
-                self.exclude(sender, message)
-            await self._send(writer, pb.ReduceResponse(code=code, message=message))
-            await wait_for_close(reader)  # its chunks may follow the request: closing now could drop the refusal
-            return
-        try:
-            self.record.request(sender, request)
-        except ProtocolViolation as e:  # credentials that do not check out
-            self.exclude(sender, e.message)
-            await self._send(writer, pb.ReduceResponse(code=pb.BAD_REQUEST, message=e.message[:300]))
-            await wait_for_close(reader)
-            return
-        self.serving.add(sender)
-        if self.robust is not None:
-            self.robust.claims[sender] = request.weight
-        answers = asyncio.ensure_future(self._answer(sender, writer))
-        intact = True
-        try:
-            await self._receive(sender, request.weight, reader)
-        except (ProtocolViolation, CodecError, ConnectionError, OSError, TimeoutError) as e:
-            self.exclude(sender, str(e))
-            intact = False
-        finally:
-            self.record.unsealed(sender)  # a no-op once sealed
-        await answers
-        if intact:
-            try:
-                await self.record.serve(sender, reader, writer)
-            except (ProtocolViolation, ConnectionError, OSError, TimeoutError) as e:
-                logger.info("Round %s: verification with %s on span %d ended: %s", self.group.round_id, sender,
-                            self.rank, e)
-        # Let the sender close the stream: closing it from here could cut averages still in flight in p2pd's
-        # buffers on a slow link (over QUIC, closing with input unread drops them every time). One excluded
-        # mid-stream (an oversized or undecodable chunk) may still have the rest of its chunks on the way, which
-        # are read and dropped.
-        rest = LINGER_BYTES if not intact else 1
-        await wait_for_close(reader, self.config.join_timeout, max_discard=rest)
+    def answered_by(self, sender: str) -> None:
+        """``sender`` has been sent every average this reducer had for it."""
+        self._answered.add(sender)
+        if self._answered | set(self.excluded) >= self.expected:
+            self._all_answered.set()
 
-    async def _receive(self, sender: str, weight: float, reader: asyncio.StreamReader) -> None:
-        """``sender``'s chunks, then its seal. Chunks after it was excluded (too slow) are still read and hashed:
-        its seal covers them, and without it the chunks it is in are void."""
-        scratch = torch.empty(min(self.numel, self.config.chunk_numel), dtype=torch.float32)
-        adding: asyncio.Future[None] | None = None
-        for index, (start, end) in enumerate(self.chunks):
-            if self.robust is not None and index >= WINDOW and sender not in self.excluded:
-                await self.ready[index - WINDOW].wait()  # bounds the decoded chunks held (robust.py)
-            data = await read_frame(reader, max_payload_bytes(end - start), sender, f"chunk {index}")
-            self.bytes_received += frame_size(len(data))
-            self.record.received(sender, index, data)
-            if adding is not None:
-                await adding  # a large chunk decodes in a thread while the next one arrives
-            if sender in self.excluded:
-                continue
-            adding = asyncio.ensure_future(
-                run_chunk_work(end - start, self._add, data, sender, weight, index, scratch))
-            adding.add_done_callback(functools.partial(self._added, sender=sender, index=index))
-        if adding is not None:
-            await adding
-        message = await read_verify(reader, sender, self.config.verification.timeout)
-        if message.WhichOneof("body") != "seal":
-            raise ProtocolViolation(f"{sender} sent no seal after its last chunk", peer_id=sender)
-        self.bytes_received += frame_size(message.ByteSize())
-        self.record.seal(sender, bytes(message.seal))
-
-    def _add(self, data: bytes, sender: str, weight: float, index: int, scratch: torch.Tensor) -> None:
+    def add(self, data: bytes, sender: str, weight: float, index: int, scratch: torch.Tensor) -> None:
+        """Decodes ``sender``'s chunk ``index`` and adds it (its row, for a robust rule); in a worker thread
+        for large chunks."""
         start, end = self.chunks[index]
         if self.robust is not None:
             with self._sum_lock:
@@ -305,7 +238,7 @@ class SpanReducer:
         if index in self._finalizing:
             raise ProtocolViolation(f"{sender}'s chunk {index} arrived after it was averaged", peer_id=sender)
 
-    def _added(self, done: asyncio.Future[None], sender: str, index: int) -> None:
+    def added(self, done: asyncio.Future[None], sender: str, index: int) -> None:
         if done.cancelled():
             return
         error = done.exception()
@@ -314,36 +247,3 @@ class SpanReducer:
             return
         self.pending[index].discard(sender)
         self._maybe_finalize(index)
-
-    async def _answer(self, sender: str, writer: asyncio.StreamWriter) -> None:
-        try:
-            for index in range(len(self.chunks)):
-                await self.ready[index].wait()
-                payload = self.payloads[index]
-                if payload is None:  # the round was abandoned, or our own values could not be averaged
-                    await self._send(writer, pb.ReduceResponse(code=pb.INTERNAL_ERROR, message="no average"))
-                    return
-                response = pb.ReduceResponse(
-                    code=pb.OK, chunk_index=index, contributors=len(self.included[index]),
-                    total_weight=self.weights[index], included=sender in self.included[index],
-                    signature=self.record.signatures[index],
-                )
-                await self._send(writer, response, payload)
-            statement = await self.record.statement(self.ready)
-            self.bytes_sent += await write_verify(writer, pb.VerifyMessage(statement=statement))
-        except (ConnectionError, OSError) as e:
-            logger.info("Round %s: could not return span %d to %s: %s", self.group.round_id, self.rank, sender, e)
-        finally:
-            self._answered.add(sender)
-            if self._answered | set(self.excluded) >= self.expected:
-                self._all_answered.set()
-
-    async def _send(
-        self, writer: asyncio.StreamWriter, response: pb.ReduceResponse, payload: bytes | bytearray | None = None
-    ) -> None:
-        # One write for the response and its payload: one wake-up of p2pd, no lone tiny frame on the wire.
-        frames = [response.SerializeToString()] + ([payload] if payload is not None else [])
-        # not `self.bytes_sent += await ...`: that reads the counter before the await, and the answers to
-        # the other senders, running meanwhile, would have their counts overwritten
-        sent = await write_frames(writer, frames)
-        self.bytes_sent += sent

@@ -98,7 +98,7 @@ def test_the_reducer_clips_the_attacker_and_says_so_whatever_the_arrival_order()
         reducer = robust_reducer(rows[0].clone(), out)
         for sender in order:
             reducer.robust.claims[sender] = claims[sender]  # type: ignore[union-attr]
-            reducer._add(payloads[sender], sender, claims[sender], 0, torch.empty(1024))
+            reducer.add(payloads[sender], sender, claims[sender], 0, torch.empty(1024))
         payload = bytes(reducer._average_chunk(0))
         reducer.close()
         return payload, out, reducer

@@ -42,7 +42,7 @@ def test_nothing_is_written_before_a_chunk_is_touched() -> None:
         reducer = make_reducer(own, out, own_residual=own_residual)
         # a round starts sending at once: no span-sized pass over memory happens up front
         assert torch.isnan(out).all() and bool((own_residual == 1).all())
-        reducer._add(bytes(codec.encode(torch.ones(1024), CODEC)), OTHER, 1.0, 0, torch.empty(1024))
+        reducer.add(bytes(codec.encode(torch.ones(1024), CODEC)), OTHER, 1.0, 0, torch.empty(1024))
         assert not torch.isnan(out[:1024]).any() and torch.isnan(out[1024:]).all()
         # the first chunk's own row is coded (its residual now holds what coding dropped), the rest untouched
         assert float(own_residual[:1024].abs().max()) < 0.1 and bool((own_residual[1024:] == 1).all())
@@ -68,7 +68,7 @@ def test_chunk_average_and_both_residuals_match_the_eager_formula() -> None:
 
         out = torch.empty(1024)
         reducer = make_reducer(own, out, residual=residual.clone(), own_residual=own_residual.clone())
-        reducer._add(payload, OTHER, 3.0, 0, torch.empty(1024))
+        reducer.add(payload, OTHER, 3.0, 0, torch.empty(1024))
         got = reducer._average_chunk(0)
         assert bytes(got) == bytes(expected_payload)
         assert torch.equal(out, expected_out)

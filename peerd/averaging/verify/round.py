@@ -121,7 +121,7 @@ class RoundVerification:
             self._randomness = asyncio.ensure_future(self._draw())
         return self._randomness
 
-    async def _draw(self) -> RoundRandomness | None:
+    async def _draw(self) -> RoundRandomness:
         """The seed from the shares of every member that committed to one in a request to this peer (a member
         that never reached it is in no average here); after the timeout, from the shares revealed so far: a
         member that commits and never reveals delays the round's checks, it cannot stop them."""
