@@ -1,0 +1,114 @@
+"""One span of one chunk reduced the way a reducer does it, with its statement and every member's samples, so
+unit tests can check honest and lying reducers and members without a network (tests/unit/test_verification.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import blake3
+import torch
+
+from peerd.averaging.aggregation import combine
+from peerd.averaging.group import Group
+from peerd.averaging.verify.keys import KeyBook, SessionKey
+from peerd.averaging.verify.payloads import clamp_residual, envelope, view
+from peerd.averaging.verify.randomness import RoundRandomness
+from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
+from peerd.averaging.verify.statement import (
+    OUTPUT,
+    SEAL,
+    Statement,
+    output_parts,
+    parse_statement,
+    seal_parts,
+    sign_statement,
+)
+from peerd.config import AveragingConfig, CodecConfig
+from peerd.proto import peerd_averaging_pb2 as pb
+from peerd.wire import codec
+from peerd.wire.feedback import encode_with_feedback
+from tests.identities import signers
+
+CODEC = CodecConfig(min_compress_numel=0)
+SEED = bytes(range(32))
+
+
+@dataclass
+class Span:
+    """Span 0 of a round of ``len(rows)`` members, one chunk; the reducer is member 0."""
+
+    rows: torch.Tensor  # what each member contributes (before coding)
+    rule: str = "centered_clip"
+    weights: list[float] | None = None
+    residual: torch.Tensor | None = None  # the reducer's carried residual
+    seed: bytes = SEED
+    config: AveragingConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        n, numel = self.rows.shape
+        self.config = AveragingConfig(aggregation=self.rule, codec=CODEC, chunk_numel=max(numel, 1024))  # type: ignore[arg-type]
+        self.identities = signers(n)
+        self.sessions = [SessionKey(identity) for identity in self.identities]
+        self.group = Group("round", tuple(i.peer_id for i in self.identities))
+        self.weights = self.weights or [1.0] * n
+        self.payloads = [bytes(codec.encode(row, CODEC)) for row in self.rows]
+        self.decoded = torch.stack([codec.decode(p, peer_id="test") for p in self.payloads])
+        self.randomness = RoundRandomness(self.seed, self.config.chunk_numel)
+        self.average()
+
+    def average(self, lie: torch.Tensor | None = None) -> None:
+        """What the reducer computes, codes and signs; ``lie``: added to the average before it is coded."""
+        out = torch.empty(self.rows.shape[1])
+        combined = combine(self.rule, self.decoded.clone(), list(self.weights or []), out,
+                           self.config.max_weight_ratio, self.config.clip_radius, self.config.clip_iterations)
+        self.coefficients, self.medoid, self.gram = combined.coefficients, combined.medoid, combined.gram
+        if self.rule == "mean":  # the reducer's streaming mean takes the claims as they are
+            total = sum(self.weights or [])
+            self.coefficients = [w / total for w in self.weights or []]
+            out = torch.tensor(self.coefficients) @ self.decoded
+        if lie is not None:
+            out += lie
+        residual = self.residual.clone() if self.residual is not None else None
+        if residual is not None:
+            clamp_residual(out, residual, CODEC.block_size, int8=True)
+        self.out_payload = bytes(encode_with_feedback(out, CODEC, "reducer", carried=residual, dropped=residual,
+                                                      decoded=out)[0])
+        self.out = out
+        self.out_signature = self.sign_output(self.out_payload)
+
+    def sign_output(self, payload: bytes) -> bytes:
+        return self.sessions[0].sign(OUTPUT, *output_parts("round", 0, 0, blake3.blake3(payload).digest()))
+
+    def statement(self, edit: pb.SpanStatement | None = None) -> Statement:
+        n, numel = self.rows.shape
+        message = pb.SpanStatement(round_id="round", span_index=0, span_numel=numel,
+                                   chunk_numel=self.config.chunk_numel, members=list(self.group.members),
+                                   rule=self.rule, reducer=self.sessions[0].credentials)
+        for rank in range(n):
+            hashes = [blake3.blake3(self.payloads[rank]).digest()]
+            seal = b"" if rank == 0 else self.sessions[rank].sign(SEAL, *seal_parts(
+                "round", 0, numel, self.config.chunk_numel, (self.weights or [])[rank], hashes))
+            message.rows.add(rank=rank, weight=(self.weights or [])[rank], chunk_hashes=hashes, seal=seal,
+                             credentials=self.sessions[rank].credentials)
+        record = message.chunks.add(included=list(range(n)), coefficients=self.coefficients or [],
+                                    medoid=self.medoid)
+        if self.gram is not None:
+            record.gram[:] = self.gram.reshape(-1).tolist()
+        if edit is not None:
+            message.MergeFrom(edit)
+        return parse_statement(sign_statement(self.sessions[0], message), self.group, 0, numel,
+                               self.config.chunk_numel, KeyBook())
+
+    def samples(self, rank: int, row: torch.Tensor | None = None) -> MemberSamples:
+        """Member ``rank``'s samples of its row (``row``: what it claims instead of its decoded row)."""
+        decoded = self.decoded[rank] if row is None else row
+        numel = decoded.numel()
+        bound = envelope(view(self.payloads[rank]), decoded, CODEC.block_size)
+        signed = build_samples(self.sessions[rank], "round", self.randomness, {0: OwnRow(decoded, [(0, numel)],
+                               [bound])}, self.rule == "centered_clip", {})
+        return parse_samples(signed, self.group.members[rank], "round", self.seed, {0: [(0, numel)]},
+                             CODEC.block_size, KeyBook())
+
+    def all_samples(self) -> dict[int, MemberSamples]:
+        return {rank: self.samples(rank) for rank in range(self.rows.shape[0])}
