@@ -170,7 +170,8 @@ class SpanReducer:
             self._maybe_finalize(index)
 
     async def finish(self, timeout: float) -> None:
-        """Waits until every chunk is averaged; after ``timeout`` the members still missing are excluded."""
+        """Waits until every chunk is averaged and the span's statement signed; after ``timeout`` the members
+        still missing are excluded."""
         try:
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in self.ready)), timeout)
         except TimeoutError:
@@ -179,6 +180,7 @@ class SpanReducer:
             await asyncio.gather(*(event.wait() for event in self.ready))
         if self.robust is not None:
             self.robust.log(len(self.chunks))
+        await self.record.statement(self.ready)  # also when no sender is left to send it to
 
     @property
     def clipped(self) -> dict[str, Clipping]:

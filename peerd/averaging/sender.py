@@ -77,8 +77,12 @@ class SpanExchange:
     async def run(self) -> None:
         stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
-            # the reducer itself may wait round_timeout for a slow member before it averages a chunk
-            stream = await asyncio.wait_for(self._exchange(), self.config.round_timeout + self.config.join_timeout)
+            try:
+                # the reducer itself may wait round_timeout for a slow member before it averages a chunk
+                stream = await asyncio.wait_for(self._exchange(),
+                                                self.config.round_timeout + self.config.join_timeout)
+            finally:
+                await self.verification.row_done(self.index)  # sealed, or it never will be
             await self._verify(*stream)
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"

@@ -54,6 +54,8 @@ class TrainingReport:
     _stopped: float | None = None
     # the state transfers' live progress (downloads as a joiner, serving as a donor), read when reporting
     transfers: Callable[[], dict[str, Any]] | None = None
+    # peers this one excludes from averaging, and why (the all-reduce's ban list), read when reporting
+    bans: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
@@ -124,6 +126,9 @@ class TrainingReport:
             "aggregation": report.aggregation,
             # contributions to this peer's span that the robust rule clipped or weight-capped, by peer id
             "clipped": {peer: asdict(note) for peer, note in report.clipped.items()},
+            # spans whose averages did not check out (this peer kept its own values there), and who lied
+            "unverified": {str(span): reason for span, reason in report.unverified.items()},
+            "accused": dict(report.accused),
         }
         self.rounds.append({"time": round(time.time(), 3), **self.last_round})
         self._note_validation()
@@ -219,4 +224,5 @@ class TrainingReport:
             "traffic": {kind: dict(entry) for kind, entry in self.traffic.items()},
             "round_durations": self.round_durations.as_dict(),
             "state_transfer": self.transfers() if self.transfers is not None else None,
+            "banned_peers": self.bans() if self.bans is not None else {},
         }

@@ -80,6 +80,7 @@ class CollaborativeTrainer:
         self.downloader = StateDownloader(guard, task.fingerprint, self._template, config.max_state_bytes,
                                           stall_timeout=transfer.stall_timeout)
         self.report.transfers = lambda: {"download": self.downloader.status(), "serve": self.state_server.status()}
+        self.report.bans = self.reducer.bans.status
         self._batches: Iterator[Batch] = task.train_batches()
 
     async def start(self) -> None:

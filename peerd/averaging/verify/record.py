@@ -117,6 +117,7 @@ class SpanRecord:
     async def _build(self, averaged: list[asyncio.Event]) -> pb.Signed:
         await asyncio.gather(*(event.wait() for event in averaged))
         self.v.own_rows[self.rank] = OwnRow(self.own_row, self.chunks, self.own_envelopes)
+        self.v.settled.set()
         included = {r for record in self.records for r in record.included} - {self.rank}
         waiting = [self.sealed[r].wait() for r in included if r in self.sealed]
         try:

@@ -65,6 +65,7 @@ class RoundVerification:
         self.statements: dict[int, Statement] = {}
         self.problems: dict[int, str] = {}  # span -> why it has no usable statement
         self.own_rows: dict[int, OwnRow] = {}
+        self.rows_done: set[int] = set()  # spans whose contribution this member finished sending (or gave up on)
         self.own_hashes: dict[int, list[bytes]] = {}
         self.own_weight = 0.0
         # span -> chunk -> (payload, the reducer's signature, blake3 of the payload)
@@ -74,6 +75,9 @@ class RoundVerification:
         self.with_sketch = config.aggregation == "centered_clip" and len(group.members) >= 3
         self.verdicts: dict[int, Verdict] = {}
         self.own_void: list[int] = []
+        # set once this member's own span is averaged: every member that will contribute has sent its request
+        # (and commitment) by then, so the set of shares the seed needs is final
+        self.settled = asyncio.Event()
         self._changed = asyncio.Condition()
         self._randomness: asyncio.Future[RoundRandomness] | None = None
         self._mine: asyncio.Future[pb.Signed] | None = None
@@ -97,6 +101,10 @@ class RoundVerification:
         except ProtocolViolation as e:
             self.problems[span] = e.message
             raise
+
+    async def row_done(self, span: int) -> None:
+        """This member's contribution to span ``span`` is sent and sealed (``own_rows``), or never will be."""
+        await self._note(lambda: self.rows_done.add(span))
 
     async def samples_from(self, member: str, signed: pb.Signed) -> None:
         await self._note(lambda: self.unparsed.setdefault(member, signed))
@@ -125,6 +133,10 @@ class RoundVerification:
         """The seed from the shares of every member that committed to one in a request to this peer (a member
         that never reached it is in no average here); after the timeout, from the shares revealed so far: a
         member that commits and never reveals delays the round's checks, it cannot stop them."""
+        try:
+            await asyncio.wait_for(self.settled.wait(), self.config.round_timeout + self.config.verification.timeout)
+        except TimeoutError:
+            pass
         expected = set(self.commitments) | {self.me}
         if not await self._until(lambda: set(self.shares) >= expected):
             logger.warning("Round %s: no seed share from %s within %.0f s; drawing from the others'",
@@ -140,6 +152,8 @@ class RoundVerification:
 
     async def _build_mine(self) -> pb.Signed:
         randomness = await self.randomness()
+        others = set(range(len(self.spans))) - {self.rank}
+        await self._until(lambda: self.rows_done >= others)
         signed = await asyncio.to_thread(build_samples, self.session, self.group.round_id, randomness,
                                          dict(self.own_rows), self.with_sketch, self.outputs)
         await self.samples_from(self.me, signed)

@@ -1,0 +1,136 @@
+"""A reducer gone bad, with real processes: one member of 3 hands back -1000x the true average of its span
+(tests/integration/lying_reducer.py, a patched `peerd start`), to every member or to one of them only. The two
+honest members catch it in its first round, apply none of its averages and exclude it on evidence each checks
+itself; their validation loss ends within 10% of an attack-free run's. With the checks patched out
+(tests/integration/unverified.py) the same attack wrecks the model. A member that misstates its own rows to
+frame honest reducers (tests/integration/framer.py) is excluded itself, and no honest member is.
+
+The LM of configs/lm.yaml, small (as tests/integration/test_diloco.py runs it), in sync mode and in diloco mode.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+LM = REPO / "configs" / "lm.yaml"
+STEPS = 10
+SMALL = ("training.task.options={d_model: 64, n_heads: 2, d_ff: 128, seq_len: 64, batch_size: 8, max_files: 60, "
+         "val_files: 4, val_batches: 4}")
+COMMON = ["-o", SMALL, "-o", "training.wait_for_peers=3", "-o", f"training.max_steps={STEPS}",
+          "-o", "training.validation_every=5", "-o", "training.state_averaging_every=0",
+          "-o", "averaging.target_group_size=3", "-o", "averaging.round_timeout=10", "-o", "averaging.join_timeout=3"]
+MODES = {
+    "sync": ["-o", "training.target_batch_size=48"],
+    "diloco": ["-o", "training.mode=diloco", "-o", "training.diloco.inner_steps=10"],
+}
+HONEST, LIAR, FRAMER, BLIND = "peerd", "tests.integration.lying_reducer", "tests.integration.framer", \
+    "tests.integration.unverified"
+
+
+@dataclass
+class Run:
+    honest: list[dict[str, Any]]  # the honest peers' training reports at the end
+    ids: dict[str, str]  # peer name -> peer id
+
+    def losses(self) -> list[float]:
+        return [validation_loss(r) for r in self.honest]
+
+
+def validation_loss(report: dict[str, Any]) -> float:
+    loss = report["validation_loss"]
+    return math.inf if loss is None or not math.isfinite(loss) else float(loss)
+
+
+def train(log_dir: Path, mode: str, modules: list[str], env: dict[str, str] | None = None) -> Run:
+    """Three peers running ``modules`` (the first two honest or blind, the third the one under test) to step
+    STEPS, or until the honest peers' validation loss shows the model wrecked."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    with LocalSwarm(LM, log_dir=log_dir, extra_args=[*COMMON, *MODES[mode]]) as swarm:
+        for i, module in enumerate(modules):
+            args = ["--config", str(LM), "--control-port", "0", *swarm.extra_args,
+                    "-o", f"training.task.shard_index={i}"]
+            if swarm.peers:
+                args += ["--initial-peers", swarm.peers[0].ready["maddrs"][0]]
+            peer = PeerProcess(f"peer{i}-{module.rsplit('.', 1)[-1]}", args, log_dir,
+                               env={"PYTHONPATH": path, **(env or {})}, module=module)
+            swarm.peers.append(peer)
+            peer.wait_ready(90)
+        honest = swarm.peers[:2]
+
+        def finished() -> list[dict[str, Any]] | None:
+            reports = [p.status()["training"] for p in honest]
+            if all((r["validation_step"] or 0) >= STEPS for r in reports):
+                return reports
+            if any(r["validation_step"] is not None and validation_loss(r) > 1000 for r in reports):
+                # wrecked: it will not come back
+                return reports
+            return None
+
+        reports = wait_for(finished, 400, f"{STEPS} steps in {mode} mode with {modules[2]}", 1.0)
+        return Run(reports, {p.name: p.ready["peer_id"] for p in swarm.peers})
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(mode: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[float]:
+    run = train(tmp_path_factory.mktemp(f"reference-{mode}"), mode, [HONEST, HONEST, HONEST])
+    losses = run.losses()
+    assert all(math.isfinite(loss) for loss in losses), run.honest
+    assert all(r["banned_peers"] == {} and r["validation_step"] >= STEPS for r in run.honest), run.honest
+    yield sum(losses) / len(losses)
+
+
+def banned_by_every_honest_peer(run: Run, name: str) -> None:
+    culprit = run.ids[name]
+    for report in run.honest:
+        assert set(report["banned_peers"]) == {culprit}, report["banned_peers"]
+        assert report["banned_peers"][culprit]["proven"], report["banned_peers"]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("variant", ["everyone", "split"])
+def test_a_lying_reducer_is_caught_and_excluded_and_changes_nothing(
+        mode: str, variant: str, reference: float, tmp_path: Path) -> None:
+    run = train(tmp_path, mode, [HONEST, HONEST, LIAR], env={"LYING_REDUCER": variant})
+    losses = run.losses()
+    print(f"{mode}, lying reducer ({variant}): validation loss at step {STEPS} {losses}, attack-free {reference:.4f}")
+    assert all(r["validation_step"] >= STEPS for r in run.honest), run.honest
+    assert all(abs(loss / reference - 1) <= 0.10 for loss in losses), (losses, reference)
+    banned_by_every_honest_peer(run, "peer2-lying_reducer")
+
+
+@pytest.mark.timeout(900)
+def test_without_the_checks_the_same_reducer_wrecks_the_model(mode: str, reference: float, tmp_path: Path) -> None:
+    run = train(tmp_path, mode, [BLIND, BLIND, LIAR], env={"LYING_REDUCER": "everyone"})
+    losses = run.losses()
+    print(f"{mode}, lying reducer, checks off: validation loss {losses}, attack-free {reference:.4f}")
+    assert all(loss > 10 * reference for loss in losses), (losses, reference)
+    assert all(r["banned_peers"] == {} for r in run.honest)
+
+
+@pytest.mark.timeout(900)
+def test_a_member_framing_honest_reducers_is_excluded_and_no_honest_member_is(
+        mode: str, reference: float, tmp_path: Path) -> None:
+    run = train(tmp_path, mode, [HONEST, HONEST, FRAMER])
+    losses = run.losses()
+    print(f"{mode}, framing member: validation loss at step {STEPS} {losses}, attack-free {reference:.4f}")
+    assert all(r["validation_step"] >= STEPS for r in run.honest), run.honest
+    assert all(abs(loss / reference - 1) <= 0.10 for loss in losses), (losses, reference)
+    banned_by_every_honest_peer(run, "peer2-framer")
