@@ -37,6 +37,10 @@ from typing import Any
 
 import torch
 
+# bench_allreduce.py --baseline REV: the "@base" backends run another revision of peerd, exported here
+if os.environ.get("PEERD_BENCH_TREE"):
+    sys.path.insert(0, os.environ["PEERD_BENCH_TREE"])
+
 # ---------------------------------------------------------------------------------------------------------------
 # worker context
 
@@ -173,7 +177,7 @@ class WorkerCtx:
         diff = (result.to(torch.float32) - self.expected).abs()
         rec["max_abs_err"] = float(diff.max())
         rec["rel_l2_err"] = float(diff.norm() / self.expected.norm())
-        rec["bad_frac"] = float((diff > BACKENDS[self.backend].tolerance).float().mean())  # share of wrong elements
+        rec["bad_frac"] = float((diff > BACKENDS[self.backend.split("@")[0]].tolerance).float().mean())  # share of wrong elements
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,10 +301,12 @@ class Backend:
 
 
 @contextlib.contextmanager
-def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any], Any], list[str]]]:
-    """This worker's hivemind P2P (its own p2pd, listening on its namespace's address) bootstrapped from rank
-    0's, on a uvloop thread; yields (p2p, run, every rank's peer id) where run(coro) waits for coro on that
-    loop. The loop keeps serving other peers' streams between the worker's own calls."""
+def _p2p_on_loop(ctx: WorkerCtx, name: str,
+                 identity: Path | None = None) -> Iterator[tuple[Any, Callable[[Any], Any], list[str]]]:
+    """This worker's hivemind P2P (its own p2pd, listening on its namespace's address, with the key in
+    ``identity`` if given) bootstrapped from rank 0's, on a uvloop thread; yields (p2p, run, every rank's peer
+    id) where run(coro) waits for coro on that loop. The loop keeps serving other peers' streams between the
+    worker's own calls."""
     import asyncio
     import threading
 
@@ -315,6 +321,8 @@ def _p2p_on_loop(ctx: WorkerCtx, name: str) -> Iterator[tuple[Any, Callable[[Any
 
     options: dict[str, Any] = {"host_maddrs": [ctx.listen_maddr], "nat_port_map": False,
                                "use_relay": False, "auto_nat": False}
+    if identity is not None:
+        options["identity_path"] = str(identity)
     if ctx.rank != 0:
         options["initial_peers"] = ctx.lookup(f"{name}-maddrs")
     p2p = run(P2P.create(**options))
@@ -333,13 +341,22 @@ def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None, aggregation: str |
     all-gather over libp2p streams through hivemind's P2P; each peer is its own process with its own p2pd.
     With ``secret``, every stream starts with the membership handshake of a private swarm; ``aggregation``
     overrides averaging.aggregation (default: the config's robust default)."""
+    import inspect
+
+    from hivemind.p2p import P2P
+
     from peerd.averaging.allreduce import AllReducer
     from peerd.averaging.group import Group
     from peerd.config import AveragingConfig, StreamLimits
     from peerd.wire.guard import StreamGuard
     from peerd.wire.membership import Membership
 
-    with _p2p_on_loop(ctx, "peerd") as (p2p, run, member_list):
+    # a revision whose all-reduce verifies reductions certifies its signing key with the peer's identity key
+    verified = "identity" in inspect.signature(AllReducer.__init__).parameters
+    identity = ctx.rdv / f"identity-{ctx.rank}"
+    P2P.generate_identity(str(identity))
+    print(f"peerd from {inspect.getfile(AllReducer)}, verified reductions: {verified}", file=sys.stderr)
+    with _p2p_on_loop(ctx, "peerd", identity) as (p2p, run, member_list):
         members = tuple(member_list)
         # PEERD_BENCH_CONFIG='{"chunk_numel": 262144}' overrides any averaging option, for A/B runs
         overrides = json.loads(os.environ.get("PEERD_BENCH_CONFIG") or "{}")
@@ -348,7 +365,13 @@ def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None, aggregation: str |
         if aggregation is not None:
             overrides["aggregation"] = aggregation
         config = AveragingConfig(**{"round_timeout": 120.0, "join_timeout": 30.0, **overrides})
-        reducer = AllReducer(StreamGuard(p2p, Membership(secret), StreamLimits()), config)
+        guard = StreamGuard(p2p, Membership(secret), StreamLimits())
+        if verified:
+            from peerd.swarm.signing import RecordSigner
+
+            reducer = AllReducer(guard, config, RecordSigner(identity.read_bytes(), Membership(secret)))
+        else:
+            reducer = AllReducer(guard, config)
         run(reducer.start())
         ctx.barrier("peerd-handlers")
         sent = 0
@@ -573,7 +596,7 @@ def main() -> None:
     try:
         ctx = WorkerCtx(a.backend, a.rank, a.n, a.addrs.split(","), a.numel, a.reps, a.warmup, Path(a.rdv),
                         iface=a.iface, port=a.port, transport=a.transport)
-        BACKENDS[a.backend].worker(ctx)
+        BACKENDS[a.backend.split("@")[0]].worker(ctx)
     except BaseException as e:  # noqa: BLE001 - always report
         result["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc(file=sys.stderr)

@@ -6,6 +6,10 @@ Usage (root is needed for the shaped environment; without it that environment pr
     .venv/bin/python benchmarks/bench_allreduce.py --quick    # smoke: 4M elements, 2 reps each
     options: --numel N --peers 2,4 --backends gloo,hivemind --envs loopback,netns --reps-loopback 5
              --reps-netns 3 --warmup 1 --rate-mbit 100 --json out.json --keep-logs
+             --baseline REV: also run any peerd backend of another git revision, named BACKEND@base (e.g.
+             --baseline e3d793e --backends peerd@base,peerd,peerd@base,peerd: the all-reduce before and with
+             verified reductions, alternated in one run); a backend listed twice runs twice, and a table
+             compares every X with X@base over all their repetitions (time, CPU, bytes)
 
 Every peer is a separate OS process (benchmarks/_allreduce_workers.py, launched with subprocess, in the netns
 environment through ``ip netns exec``); each prints one JSON line with per-repetition monotonic start/end stamps,
@@ -139,6 +143,7 @@ class GroupResult:
     total_reps: int = 0
     errors: list[str] = field(default_factory=list)
     wall: float = 0.0
+    payload_sent: float | None = None  # bytes a peer's all-reduce reported sending in a round (peerd), mean
 
 
 def free_port() -> int:
@@ -186,7 +191,10 @@ def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: 
             ] + (["--iface", env.iface] if env.iface else [])
             child_env = dict(os.environ, GLOO_SOCKET_IFNAME=env.iface or "lo", PYTHONUNBUFFERED="1",
                              BENCH_HARNESS_PID=str(os.getpid()))
-            with open(logdir / f"{env.name}-{backend}-n{n}-rank{rank}.log", "w") as log:
+            if backend.endswith("@base"):
+                assert BASELINE_TREE is not None
+                child_env["PEERD_BENCH_TREE"] = str(BASELINE_TREE)
+            with open(logdir / f"{env.name}-{backend}-n{n}-rank{rank}-{os.path.basename(rdv)}.log", "w") as log:
                 procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=child_env,
                                               start_new_session=True))
         deadline = started + timeout
@@ -215,7 +223,7 @@ def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: 
     if any(d is None for d in per_rank):
         return res
 
-    spec = BACKENDS[backend]
+    spec = BACKENDS[backend.split("@")[0]]
     n_recs = min(len(d.get("records", [])) for d in per_rank)
     for i in range(n_recs):
         recs = [d["records"][i] for d in per_rank]
@@ -252,6 +260,9 @@ def run_group(env: Env, backend: str, n: int, numel: int, warmup: int, timeout: 
         if all("cpu_s" in r for r in recs):
             res.cpu_s.append(statistics.mean(r["cpu_s"] for r in recs))
         res.good_reps += 1
+    sent = [d.get("extra", {}).get("payload_bytes_sent") for d in per_rank]
+    if all(isinstance(b, (int, float)) for b in sent):
+        res.payload_sent = statistics.mean(sent)
     return res
 
 
@@ -272,7 +283,7 @@ def print_table(env: Env, results: list[GroupResult]) -> None:
             if r.backend == "gloo" and r.times.get("allreduce")}
     rows = []
     for r in results:
-        spec = BACKENDS[r.backend]
+        spec = BACKENDS[r.backend.split("@")[0]]
         tensor_bytes = r.numel * 4
         payload = spec.payload_bytes(r.numel, r.n)
         metrics = [m for m in spec.metrics if r.times.get(m)] or ["allreduce"]
@@ -307,6 +318,63 @@ def print_table(env: Env, results: list[GroupResult]) -> None:
             print(f"  ! {r.backend} n={r.n}: {err}")
 
 
+BASELINE_TREE: Path | None = None
+
+
+def export_revision(revision: str, into: Path) -> Path:
+    """The peerd package of git ``revision`` of this repository in ``into``, protocols compiled."""
+    from grpc_tools import protoc
+
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", revision, "peerd", "protocols"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    out = into / "peerd" / "proto"
+    out.mkdir(exist_ok=True)
+    sources = sorted(str(p) for p in (into / "protocols").glob("*.proto"))
+    if protoc.main(["grpc_tools.protoc", f"-I{into / 'protocols'}", f"--python_out={out}", *sources]) != 0:
+        raise RuntimeError(f"protoc failed on the protocols of {revision}")
+    (out / "__init__.py").write_text("")
+    rev = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", revision], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    print(f"baseline: peerd at {rev} in {into}", flush=True)
+    return into
+
+
+def print_baseline_comparison(results: list[GroupResult]) -> None:
+    """Every backend X that ran beside X@base: medians over all their repetitions (a backend listed several
+    times pools its runs), the ratio of round times, and what each peer spent and sent more per round."""
+    pooled: dict[tuple[str, int], GroupResult] = {}
+    for r in results:
+        key = (r.backend, r.n)
+        into = pooled.setdefault(key, GroupResult(r.env, r.backend, r.n, r.numel))
+        for metric, ts in r.times.items():
+            into.times.setdefault(metric, []).extend(ts)
+        into.cpu_s.extend(r.cpu_s)
+        into.tx_bytes.extend(r.tx_bytes)
+        into.payload_sent = r.payload_sent or into.payload_sent
+    rows = []
+    for (backend, n), base in sorted(pooled.items()):
+        if not backend.endswith("@base") or (backend[: -len("@base")], n) not in pooled:
+            continue
+        new = pooled[(backend[: -len("@base")], n)]
+        if not new.times.get("allreduce") or not base.times.get("allreduce"):
+            continue
+        t_new, t_base = statistics.median(new.times["allreduce"]), statistics.median(base.times["allreduce"])
+        c_new = statistics.median(new.cpu_s) if new.cpu_s else float("nan")
+        c_base = statistics.median(base.cpu_s) if base.cpu_s else float("nan")
+        sent_new, sent_base = new.payload_sent, base.payload_sent
+        extra = f"{(sent_new - sent_base) / 1e3:+.1f} KB ({(sent_new / sent_base - 1) * 100:+.2f}%)" \
+            if sent_new and sent_base else "-"
+        rows.append([new.backend, n, f"{len(base.times['allreduce'])}/{len(new.times['allreduce'])}",
+                     f"{t_base:.3f}", f"{t_new:.3f}", f"{(t_new / t_base - 1) * 100:+.1f}%",
+                     f"{c_base:.3f}", f"{c_new:.3f}", f"{(c_new - c_base) * 1000:+.0f} ms", extra])
+    if rows:
+        print("\nthis revision against the baseline (pooled repetitions; bytes: what one peer's all-reduce sent)")
+        print(format_table(["backend", "n", "reps base/new", "base s", "new s", "time", "base cpu s/peer",
+                            "new cpu s/peer", "cpu/peer", "bytes sent/peer"], rows))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=None, help="fp32 elements (default 16M, --quick 4M)")
@@ -323,6 +391,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4M elements, 2 repetitions")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
     parser.add_argument("--keep-logs", action="store_true", help="keep per-worker logs (always kept on failure)")
+    parser.add_argument("--baseline", default=None,
+                        help="git revision whose peerd the BACKEND@base backends run (exported to the log dir)")
     args = parser.parse_args()
 
     numel = args.numel or (4 * 2**20 if args.quick else 16 * 2**20)
@@ -330,11 +400,15 @@ def main() -> int:
     reps_ns = args.reps_netns or (2 if args.quick else 3)
     peers = [int(x) for x in args.peers.split(",")]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = [b for b in backends if b not in BACKENDS]
+    unknown = [b for b in backends if b.split("@")[0] not in BACKENDS or b.count("@") > 1
+               or (b.endswith("@base") and not args.baseline) or ("@" in b and not b.endswith("@base"))]
     if unknown:
-        parser.error(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
+        parser.error(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}, and BACKEND@base with --baseline")
     envs = [e.strip() for e in args.envs.split(",")]
     logdir = Path(tempfile.mkdtemp(prefix="peerdbench-allreduce-"))
+    global BASELINE_TREE
+    if args.baseline:
+        BASELINE_TREE = export_revision(args.baseline, logdir / "baseline")
 
     t_start = time.monotonic()
     print(f"all-reduce of {numel:,} fp32 elements ({numel * 4 / 1e6:.1f} MB), peers {peers}, backends {backends}, "
@@ -362,6 +436,7 @@ def main() -> int:
         print(f"   load average after: {_load()}")
         print(f"\n{env.name} results (repetition time = last peer done - first peer started; medians over reps):")
         print_table(env, results)
+        print_baseline_comparison(results)
         all_results.extend(results)
         envinfo[env.name] = {"line_mbit": env.line_mbit, "rate_mbit": env.rate_mbit, "reps": env.reps,
                              "note": env.note}
