@@ -27,7 +27,7 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.requests import SpanView
 from peerd.averaging.robust import RobustChunks, rule_label
-from peerd.averaging.verify.payloads import clamp_residual, envelope, view
+from peerd.averaging.verify.payloads import clamp_residual, envelope
 from peerd.averaging.verify.record import SpanRecord
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
@@ -35,6 +35,8 @@ from peerd.wire import codec
 from peerd.wire.feedback import encode_with_feedback
 
 logger = logging.getLogger(__name__)
+
+RAW = CodecConfig(lossless=True, error_feedback=False)
 
 
 class SpanReducer:
@@ -120,14 +122,18 @@ class SpanReducer:
         self._started[index] = True
 
     def _own_row(self, index: int) -> torch.Tensor:
-        """This peer's row of chunk ``index`` coded like any member's (plus its carried residual, which then
-        receives what coding drops), decoded into ``record.own_row``."""
+        """This peer's row of chunk ``index``: its values plus its carried residual, exactly (the residual is
+        zeroed), in ``record.own_row``; the record keeps it as a lossless payload, which the statement's
+        signature binds (hashing its 4 bytes an element costs less than coding it)."""
         start, end = self.chunks[index]
         row = self.record.own_row[start:end]
-        carried = self.own_residual[start:end] if self.own_residual is not None else None
-        payload, _ = encode_with_feedback(self.own[start:end], self.codec_config, self.peer_id, carried=carried,
-                                          dropped=carried, decoded=row)
-        self.record.own(index, bytes(payload), envelope(view(payload), row, self.codec_config.block_size))
+        if self.own_residual is not None:
+            torch.add(self.own[start:end], self.own_residual[start:end], out=row)
+            self.own_residual[start:end] = 0
+        else:
+            row.copy_(self.own[start:end])
+        payload = codec.encode(row, RAW)
+        self.record.own(index, bytes(payload), envelope(None, row, self.codec_config.block_size))
         return row
 
     def _average_chunk(self, index: int) -> bytearray:

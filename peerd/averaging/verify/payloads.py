@@ -68,9 +68,16 @@ def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int
         padded = torch.zeros(blocks * COARSE_BLOCKS)
         padded[: scales.numel()] = scales
         return padded.view(blocks, COARSE_BLOCKS).amax(1).mul_(127.0)
-    padded = torch.zeros(blocks * coarse)
-    padded[: decoded.numel()] = decoded.abs()
-    return padded.view(blocks, coarse).amax(1) if blocks else torch.zeros(0)
+    if not blocks:
+        return torch.zeros(0)
+    full = decoded.numel() // coarse
+    bound = torch.empty(blocks)
+    if full:  # min and max in one pass, without a temporary of |values|
+        low, high = torch.aminmax(decoded[: full * coarse].view(full, coarse).float(), dim=1)
+        torch.maximum(low.neg_(), high, out=bound[:full])
+    if blocks > full:
+        bound[full] = float(decoded[full * coarse :].abs().max())
+    return bound
 
 
 def clamp_residual(average: torch.Tensor, residual: torch.Tensor, block_size: int, int8: bool) -> None:
@@ -82,7 +89,8 @@ def clamp_residual(average: torch.Tensor, residual: torch.Tensor, block_size: in
     numel = average.numel()
     full = numel // block_size
     if full:
-        bound = average[: full * block_size].view(full, block_size).abs().amax(1, keepdim=True).div_(254.0)
+        low, high = torch.aminmax(average[: full * block_size].view(full, block_size), dim=1)
+        bound = torch.maximum(low.neg_(), high).div_(254.0).unsqueeze(1)
         rows = residual[: full * block_size].view(full, block_size)
         torch.clamp(rows, min=-bound, max=bound, out=rows)
     if numel > full * block_size:

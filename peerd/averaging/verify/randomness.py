@@ -79,6 +79,8 @@ class RoundRandomness:
         """The ``SKETCH_SIZE`` projections of ``row`` (one chunk of a span), float64."""
         width = self.s.shape[0]
         length = row.numel()
+        if length == 0:
+            return torch.zeros(SKETCH_SIZE, dtype=torch.float64)
         blocks = -(-length // width)
         e = _signs(_stream(self.seed, -(-blocks * SKETCH_SIZE // 8), b"sketch-e", u64(span), u64(chunk)),
                    blocks, SKETCH_SIZE)
