@@ -58,15 +58,23 @@ def weighted_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) -
     return Combined([1.0] * len(weights), weights, (w / w.sum()).tolist())
 
 
-def _medoid(rows: torch.Tensor) -> int:
-    """The member whose median distance to the others is smallest: an honest member while most are."""
-    gram = (rows @ rows.t()).double()
+def medoid_of(gram: torch.Tensor) -> int:
+    """The member whose median distance to the others is smallest (``gram``: the Gram matrix of the rows, or
+    of the rows minus any one row): an honest member while most are."""
     norms = gram.diagonal()
     distances = (norms[:, None] + norms[None, :] - 2 * gram).clamp_min(0).sqrt()
-    n = rows.shape[0]
+    n = gram.shape[0]
     others = [sorted(float(d) for j, d in enumerate(distances[i]) if j != i) for i in range(n)]
     medians = [row[(len(row) - 1) // 2] for row in others]
     return min(range(n), key=lambda i: (medians[i], i))
+
+
+def around(gram: torch.Tensor, medoid: int) -> torch.Tensor:
+    """The Gram matrix of the rows minus row ``medoid``, from that of the rows minus any one row (float64)."""
+    centered = gram - gram[:, medoid : medoid + 1] - gram[medoid : medoid + 1, :] + gram[medoid, medoid]
+    centered[medoid, :] = 0.0  # exactly: x_m - x_m is 0, whatever the rounding of the line above
+    centered[:, medoid] = 0.0
+    return centered
 
 
 def centered_clip(
@@ -75,22 +83,24 @@ def centered_clip(
     """Writes the CenteredClip aggregate of ``rows`` (members x numel; overwritten) into ``out``.
 
     The iterate stays in the span of the rows, ``v = x_m + sum_j c_j (x_j - x_m)`` around the medoid ``x_m``,
-    so every distance comes from one members x members Gram matrix of the differences and the chunk is
-    touched only three times (Gram, differences, result) however many iterations run. Differences, not raw
-    rows, go into the Gram matrix: members close to each other then keep their distances' precision.
+    so every distance comes from one members x members Gram matrix and the chunk is touched only three times
+    (differences, Gram, result) however many iterations run. The Gram matrix is of the rows minus the first
+    one, not of the raw rows: members close to each other then keep their distances' precision (from raw rows,
+    float32 loses the distances of rows that differ by less than ~1e-3 of their norm, parameters for one, and
+    the medoid would be a guess no member could check).
 
     A member still clipped to under ``OUTLIER_KEPT`` of its deviation at the end (over 40 median deviations
     away at the default radius; honest LM gradients kept >= 0.9) is left out and the rest are clipped again:
     clipping alone still lets it pull by the radius times its weight share, every round.
     """
-    medoid = _medoid(rows)
-    out.copy_(rows[medoid])
-    rows.sub_(out)  # rows[i] = x_i - x_m
-    gram = (rows @ rows.t()).double()
+    out.copy_(rows[0])
+    rows.sub_(out)  # rows[i] = x_i - x_0
+    first = (rows @ rows.t()).double()
+    medoid = medoid_of(first)
+    gram = around(first, medoid)
     coefficients, kept = clip_coefficients(gram, weights, medoid, radius, iterations)
-    difference = coefficients.clone()
-    difference[medoid] = 0.0  # rows[medoid] is 0: the medoid's own share is in `out` already
-    out.add_(torch.mv(rows.t(), difference.to(rows.dtype)))
+    # v = x_0 + sum_j a_j (x_j - x_0), the coefficients summing to 1; row 0 is 0 now
+    out.add_(torch.mv(rows.t(), coefficients.to(rows.dtype)))
     return Combined(kept, weights, coefficients.tolist(), medoid, gram)
 
 

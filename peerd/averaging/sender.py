@@ -1,7 +1,8 @@
 """A member's side of one reducer's span: its coded contribution goes out and the coded average comes back,
 chunk by chunk, on one stream; then, on the same stream, the span's verification (protocols/
 peerd_averaging.proto): the sender seals what it sent, takes the reducer's statement, reveals its seed share,
-sends its samples and, if the span fails its checks, challenges the reducer for the rows of a failing chunk.
+sends its samples and, if the span fails its checks (or, by chance, to audit one that passed), challenges the
+reducer for the rows of a chunk.
 Chunks whose average never arrives keep this member's own values; error feedback is carried only for the
 chunks the reducer says it included.
 

@@ -26,4 +26,11 @@ class VerificationConfig(Section):
         description="How long a peer stays out after a fault only this peer saw and cannot prove to others (a "
         "reducer that did not answer a challenge, or sent an average its own signature does not cover).",
     )
+    audit_probability: float = Field(
+        default=0.02, ge=0.0, le=1.0,
+        description="Chance that a member asks a reducer for the rows of a chunk whose checks passed, and "
+        "recomputes it exactly: a reducer and a member who lie together (the member misstating its row so that "
+        "a wrong average looks right) are caught within ~1/this rounds. Costs one chunk's rows (~2 MB at 4 "
+        "members) when it happens.",
+    )
     max_bans: int = Field(default=1024, ge=16, description="Bans kept at most; the oldest go first.")

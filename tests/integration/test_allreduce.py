@@ -271,3 +271,25 @@ def test_bad_contributions_are_excluded_and_named(fault: str, transport: str) ->
                     assert torch.allclose(result[start:end], torch.full((end - start,), 3.0), atol=0.03)
 
     asyncio.run(with_peers(3, body, PATIENT, transport))
+
+
+@pytest.mark.timeout(90)
+def test_audits_of_honest_spans_recompute_them_and_exclude_nobody() -> None:
+    """With every passing span audited, each member asks each reducer for a chunk's rows and recomputes it."""
+    audited = PATIENT.model_copy(update={"verification": PATIENT.verification.model_copy(
+        update={"audit_probability": 1.0})})
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        xs = [torch.randn(100_000) for _ in reducers]
+        outs = await asyncio.gather(*[r.all_reduce(Group("audit", members), x, 1.0) for r, x in zip(reducers, xs)])
+        expected = weighted_mean(xs, [1.0] * 3)
+        for result, report in outs:
+            assert float((result - expected).norm() / expected.norm()) < 0.02
+            assert report.unverified == {} and report.accused == {} and report.excluded == {}
+            # beside the round's traffic (~4 bytes an element of a span at 8 bits), two audits' rows came in:
+            # each holds its reducer's own row, lossless (4 bytes an element of a span)
+            assert report.bytes_received > (4 + 2 * 4) * 100_000 / 3
+        assert all(r.bans.status() == {} for r in reducers)
+
+    asyncio.run(with_peers(3, body, audited))

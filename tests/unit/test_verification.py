@@ -21,7 +21,7 @@ from peerd.averaging.verify.proofs import (
     read_statement,
 )
 from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness, commitment, round_seed
-from peerd.config import VerificationConfig
+from peerd.config import CodecConfig, VerificationConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
@@ -197,3 +197,20 @@ def test_bans_expire_are_bounded_and_a_proof_upgrades_a_suspicion() -> None:
     for i in range(40):
         bans.ban(f"q{i}", "x", proven=True)
     assert len(bans.status()) == 16 and bans.get("q0") is None and bans.get("q39") is not None
+
+
+def test_an_honest_reducer_is_never_convicted_where_float32_loses_the_distances() -> None:
+    """Parameters of members that differ by 1e-5 of their size (state averaging), and rows so large that their
+    Gram matrix overflows float32: the reducer's published numbers still check out, or nobody is convicted."""
+    generator = torch.Generator().manual_seed(5)
+    common = torch.randn(NUMEL, generator=generator)
+    close = common + 1e-5 * torch.randn(4, NUMEL, generator=generator)
+    span = Span(close, "centered_clip", codec=CodecConfig(lossless=True, error_feedback=False))
+    check(span)
+    verdict = judge_chunk(span.statement(), 0, span.group, dict(enumerate(span.payloads)), span.out_payload,
+                          span.all_samples(), span.config, KeyBook())
+    assert verdict.reducer is None and verdict.members == {}
+    huge = Span(1e18 * honest_rows(4), "centered_clip")
+    verdict = judge_chunk(huge.statement(), 0, huge.group, dict(enumerate(huge.payloads)), huge.out_payload,
+                          huge.all_samples(), huge.config, KeyBook())
+    assert verdict.reducer is None and verdict.members == {}

@@ -43,16 +43,17 @@ class Span:
     weights: list[float] | None = None
     residual: torch.Tensor | None = None  # the reducer's carried residual
     seed: bytes = SEED
+    codec: CodecConfig = field(default_factory=lambda: CODEC)  # lossless: state averaging's rounds
     config: AveragingConfig = field(init=False)
 
     def __post_init__(self) -> None:
         n, numel = self.rows.shape
-        self.config = AveragingConfig(aggregation=self.rule, codec=CODEC, chunk_numel=max(numel, 1024))  # type: ignore[arg-type]
+        self.config = AveragingConfig(aggregation=self.rule, codec=self.codec, chunk_numel=max(numel, 1024))  # type: ignore[arg-type]
         self.identities = signers(n)
         self.sessions = [SessionKey(identity) for identity in self.identities]
         self.group = Group("round", tuple(i.peer_id for i in self.identities))
         self.weights = self.weights or [1.0] * n
-        self.payloads = [bytes(codec.encode(row, CODEC)) for row in self.rows]
+        self.payloads = [bytes(codec.encode(row, self.codec)) for row in self.rows]
         self.decoded = torch.stack([codec.decode(p, peer_id="test") for p in self.payloads])
         self.randomness = RoundRandomness(self.seed, self.config.chunk_numel)
         self.average()
@@ -71,9 +72,9 @@ class Span:
             out += lie
         residual = self.residual.clone() if self.residual is not None else None
         if residual is not None:
-            clamp_residual(out, residual, CODEC.block_size, int8=True)
-        self.out_payload = bytes(encode_with_feedback(out, CODEC, "reducer", carried=residual, dropped=residual,
-                                                      decoded=out)[0])
+            clamp_residual(out, residual, CODEC.block_size, int8=not self.codec.lossless)
+        self.out_payload = bytes(encode_with_feedback(out, self.codec, "reducer", carried=residual,
+                                                      dropped=residual, decoded=out)[0])
         self.out = out
         self.out_signature = self.sign_output(self.out_payload)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import blake3
 import torch
 
-from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS
+from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around
 from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import check_medoid, coefficients_of, trimmed_at
@@ -135,14 +135,21 @@ def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Te
         average = codec.decode(out, peer_id=statement.reducer, expected_shape=(rows.shape[1],))
     except CodecError as e:
         return f"its signed average does not decode: {e.message}"
+    robust = statement.rule == "centered_clip" and len(chunk.included) >= ROBUST_MIN_MEMBERS
+    exact = None
+    if robust:
+        differences = torch.stack([decoded[r] for r in chunk.included])
+        differences = differences - differences[0]
+        exact = (differences @ differences.t()).double()  # as the reducer computes it
+        if not bool(exact.isfinite().all()):
+            return None  # the rows overflow float32's Gram matrix: no rule's numbers can be checked here
     try:
         coefficients = coefficients_of(statement, chunk, config)
-        if chunk.gram is not None and coefficients is not None and len(chunk.included) >= ROBUST_MIN_MEMBERS:
-            differences = torch.stack([decoded[r] for r in chunk.included])
-            differences = differences - differences[chunk.medoid]
-            exact = (differences @ differences.t()).double()
+        if exact is not None and chunk.gram is not None:
+            exact = around(exact, chunk.medoid)
             scale = exact.diagonal().clamp_min(0).sqrt()
-            if bool(((chunk.gram - exact).abs() > GRAM_TOLERANCE * scale[:, None] * scale[None, :] + 1e-300).any()):
+            slack = GRAM_TOLERANCE * (scale[:, None] * scale[None, :] + 1e-3 * float(exact.diagonal().max()))
+            if bool(((chunk.gram - exact).abs() > slack + 1e-300).any()):
                 raise ValueError("its published Gram matrix is not its rows'")
             check_medoid(exact, chunk.medoid)
     except ValueError as e:

@@ -166,7 +166,7 @@ class SpanRecord:
             await write_verify(writer, pb.VerifyMessage(answer=pb.Answer(chunk_index=index, ok=False,
                                                                           message="no such chunk")))
             return
-        logger.warning("Round %s: %s challenged chunk %d of span %d; revealing its %d rows", self.group.round_id,
-                       sender, index, self.rank, len(rows))
+        logger.info("Round %s: %s challenged chunk %d of span %d; revealing its %d rows", self.group.round_id,
+                    sender, index, self.rank, len(rows))
         await write_verify(writer, pb.VerifyMessage(answer=pb.Answer(chunk_index=index, ok=True)))
         await write_frames(writer, [row for row in rows if row is not None])

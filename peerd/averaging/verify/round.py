@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ __all__ = ["Accuse", "RoundVerification", "Verdict"]
 
 logger = logging.getLogger(__name__)
 
+_AUDIT = random.SystemRandom()
+
 
 Accuse = Callable[[str, str, Evidence | None, bool], None]
 
@@ -43,7 +46,7 @@ Accuse = Callable[[str, str, Evidence | None, bool], None]
 class Verdict:
     apply: bool
     reason: str = ""
-    challenge: int | None = None  # a chunk whose rows would show who lied
+    challenge: int | None = None  # a chunk whose rows would show who lied (or an audit of one that passed)
     void: list[int] = field(default_factory=list)
 
 
@@ -195,6 +198,9 @@ class RoundVerification:
         verdict = await asyncio.to_thread(self._check, statement, randomness)
         logger.debug("Round %s: span %d checked in %.1f ms", self.group.round_id, span,
                      1000 * (time.monotonic() - started))
+        checked = [i for i, chunk in enumerate(statement.chunks) if not chunk.void]
+        if verdict.apply and checked and _AUDIT.random() < self.config.verification.audit_probability:
+            verdict.challenge = _AUDIT.choice(checked)  # drawn here, after the seed: nobody can foresee it
         return verdict
 
     def _compare_outputs(self, member: MemberSamples, span: int) -> None:
