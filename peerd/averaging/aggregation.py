@@ -99,7 +99,7 @@ def centered_clip(
     medoid = medoid_of(first)
     gram = around(first, medoid)
     coefficients, kept = clip_coefficients(gram, weights, medoid, radius, iterations)
-    # v = x_0 + sum_j a_j (x_j - x_0), the coefficients summing to 1; row 0 is 0 now
+    # v = x_0 + sum_j a_j (x_j - x_0), the coefficients summing to 1 (row 0 holds zeros after the subtraction)
     out.add_(torch.mv(rows.t(), coefficients.to(rows.dtype)))
     return Combined(kept, weights, coefficients.tolist(), medoid, gram)
 

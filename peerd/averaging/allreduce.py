@@ -37,7 +37,7 @@ from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.sender import SpanExchange
 from peerd.averaging.serving import SenderStream
 from peerd.averaging.verify.bans import BanList
-from peerd.averaging.verify.keys import Identity, KeyBook, SessionKey
+from peerd.averaging.verify.keys import Identity, KeyBook, SigningKey
 from peerd.averaging.verify.proofs import Evidence
 from peerd.averaging.verify.record import SpanRecord
 from peerd.averaging.verify.round import RoundVerification
@@ -65,7 +65,7 @@ class AllReducer:
         self.guard = guard
         self.config = config
         self.peer_id = guard.peer_id
-        self.session = SessionKey(identity)
+        self.signing = SigningKey(identity)
         self.keys = KeyBook()
         self.bans = BanList(config.verification)
         self.evidence = EvidenceDesk(guard, config, self.keys, self.bans)
@@ -129,7 +129,7 @@ class AllReducer:
         start, end = spans[rank]
         config = self.config.model_copy(update={"codec": codec_config})
         sent = self._sent_buffer(flat.numel())
-        verification = RoundVerification(group, rank, self.session, self.keys, config, spans, result,
+        verification = RoundVerification(group, rank, self.signing, self.keys, config, spans, result,
                                          self._accuser(group, report))
         verification.own_weight = weight
         record = SpanRecord(verification, end - start, self.config.aggregation, weight, sent[start:end])

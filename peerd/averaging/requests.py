@@ -43,6 +43,6 @@ def check_request(
         return pb.BAD_REQUEST, f"chunks of {request.chunk_numel}, this peer uses {view.chunk_numel}"
     if not (math.isfinite(request.weight) and 0 < request.weight <= MAX_WEIGHT):
         return pb.BAD_REQUEST, f"weight {request.weight} is not finite and in (0, {MAX_WEIGHT:g}]"
-    if len(request.seed_commitment) != 32 or len(request.credentials.session_key) != 32:
-        return pb.BAD_REQUEST, "no seed commitment or session key: every contribution is verified"
+    if len(request.seed_commitment) != 32 or len(request.credentials.signing_key) != 32:
+        return pb.BAD_REQUEST, "no seed commitment or signing key: every contribution is verified"
     return None

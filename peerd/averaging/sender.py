@@ -146,7 +146,7 @@ class SpanExchange:
         request = pb.ReduceRequest(
             protocol_version=PROTOCOL_VERSION, round_id=self.group.round_id, span_index=self.index,
             span_numel=self.source.numel(), weight=self.weight, chunk_numel=self.config.chunk_numel,
-            credentials=v.session.credentials, seed_commitment=v.commitment,
+            credentials=v.signing.credentials, seed_commitment=v.commitment,
         )
         sent = await write_message(writer, request)
         self.report.bytes_sent += sent  # after the await: the report is shared by the exchanges running at once
@@ -160,7 +160,7 @@ class SpanExchange:
             # length and payload in one write: a lone 8-byte write would be a frame of its own on the wire
             sent = await write_frames(writer, [payload])
             self.report.bytes_sent += sent  # after the await: several reducers are fed at once
-        seal = v.session.sign(SEAL, *seal_parts(self.group.round_id, self.index, self.source.numel(),
+        seal = v.signing.sign(SEAL, *seal_parts(self.group.round_id, self.index, self.source.numel(),
                                                 self.config.chunk_numel, self.weight, self.hashes))
         v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes)
         v.own_hashes[self.index] = self.hashes

@@ -97,7 +97,7 @@ class RecordSigner:
         return {"p": data, "k": self.public_key, "s": signature, "t": tag, "e": float(expiration)}
 
     def sign_detached(self, label: bytes, message: bytes) -> bytes:
-        """An RSA-PSS signature over ``label`` and ``message`` (outside the DHT: e.g. a session key's
+        """An RSA-PSS signature over ``label`` and ``message`` (outside the DHT: e.g. a signing key's
         certificate), checked by :func:`verify_detached`."""
         return bytes(self._key.sign(_detached(label, message), _PSS, hashes.SHA256()))
 

@@ -225,7 +225,7 @@ def test_bad_contributions_are_excluded_and_named(fault: str, transport: str) ->
         members = tuple(sorted(r.peer_id for r in reducers))
         evil_p2p = p2ps[-1]
         evil_id = str(evil_p2p.peer_id)
-        evil_key = reducers[-1].session  # its credentials check out: what it sends is what is at fault
+        evil_key = reducers[-1].signing  # its credentials check out: what it sends is what is at fault
         honest = [r for r in reducers if r.peer_id != evil_id]
         spans = split_spans(numel, 3, CONFIG.codec.block_size)
 

@@ -6,7 +6,7 @@ import torch
 
 from peerd.averaging.group import Group
 from peerd.averaging.reducer import SpanReducer
-from peerd.averaging.verify.keys import KeyBook, SessionKey
+from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.record import SpanRecord
 from peerd.averaging.verify.round import RoundVerification
 from peerd.config import AveragingConfig, CodecConfig
@@ -20,7 +20,7 @@ def make_reducer(group: Group, own: torch.Tensor, weight: float, config: Averagi
     n = own.numel()
     identity = next(s for s in signers(len(group.members)) if s.peer_id == group.members[0])
     spans = [(0, n)] + [(n, n)] * (len(group.members) - 1)
-    verification = RoundVerification(group, 0, SessionKey(identity), KeyBook(), config, spans, out,
+    verification = RoundVerification(group, 0, SigningKey(identity), KeyBook(), config, spans, out,
                                      lambda *_: None)
     record = SpanRecord(verification, n, config.aggregation, weight, torch.empty(n))
     return SpanReducer(group, 0, own, weight, config, codec, group.members[0], out, record, **kwargs)

@@ -104,7 +104,7 @@ def test_requests_are_checked_against_the_reducers_view() -> None:
         reducer = make_reducer(torch.zeros(3000), torch.empty(3000))
         good = pb.ReduceRequest(protocol_version=PROTOCOL_VERSION, round_id="round", span_index=0, span_numel=3000,
                                 weight=1.0, chunk_numel=1024, seed_commitment=bytes(32),
-                                credentials=pb.Credentials(session_key=bytes(32)))
+                                credentials=pb.Credentials(signing_key=bytes(32)))
         assert check_request(reducer.view, OTHER, good, set()) is None
         assert check_request(reducer.view, "12D3KooWStranger", good, set())[0] == pb.NOT_A_MEMBER
         for field, value in [("protocol_version", 99), ("span_index", 1), ("span_numel", 3001),

@@ -11,7 +11,7 @@ import torch
 
 from peerd.averaging.aggregation import combine
 from peerd.averaging.group import Group
-from peerd.averaging.verify.keys import KeyBook, SessionKey
+from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.payloads import clamp_residual, envelope, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
@@ -50,7 +50,7 @@ class Span:
         n, numel = self.rows.shape
         self.config = AveragingConfig(aggregation=self.rule, codec=self.codec, chunk_numel=max(numel, 1024))  # type: ignore[arg-type]
         self.identities = signers(n)
-        self.sessions = [SessionKey(identity) for identity in self.identities]
+        self.signing = [SigningKey(identity) for identity in self.identities]
         self.group = Group("round", tuple(i.peer_id for i in self.identities))
         self.weights = self.weights or [1.0] * n
         self.payloads = [bytes(codec.encode(row, self.codec)) for row in self.rows]
@@ -79,26 +79,26 @@ class Span:
         self.out_signature = self.sign_output(self.out_payload)
 
     def sign_output(self, payload: bytes) -> bytes:
-        return self.sessions[0].sign(OUTPUT, *output_parts("round", 0, 0, blake3.blake3(payload).digest()))
+        return self.signing[0].sign(OUTPUT, *output_parts("round", 0, 0, blake3.blake3(payload).digest()))
 
     def statement(self, edit: pb.SpanStatement | None = None) -> Statement:
         n, numel = self.rows.shape
         message = pb.SpanStatement(round_id="round", span_index=0, span_numel=numel,
                                    chunk_numel=self.config.chunk_numel, members=list(self.group.members),
-                                   rule=self.rule, reducer=self.sessions[0].credentials)
+                                   rule=self.rule, reducer=self.signing[0].credentials)
         for rank in range(n):
             hashes = [blake3.blake3(self.payloads[rank]).digest()]
-            seal = b"" if rank == 0 else self.sessions[rank].sign(SEAL, *seal_parts(
+            seal = b"" if rank == 0 else self.signing[rank].sign(SEAL, *seal_parts(
                 "round", 0, numel, self.config.chunk_numel, (self.weights or [])[rank], hashes))
             message.rows.add(rank=rank, weight=(self.weights or [])[rank], chunk_hashes=hashes, seal=seal,
-                             credentials=self.sessions[rank].credentials)
+                             credentials=self.signing[rank].credentials)
         record = message.chunks.add(included=list(range(n)), coefficients=self.coefficients or [],
                                     medoid=self.medoid)
         if self.gram is not None:
             record.gram[:] = self.gram.reshape(-1).tolist()
         if edit is not None:
             message.MergeFrom(edit)
-        return parse_statement(sign_statement(self.sessions[0], message), self.group, 0, numel,
+        return parse_statement(sign_statement(self.signing[0], message), self.group, 0, numel,
                                self.config.chunk_numel, KeyBook())
 
     def samples(self, rank: int, row: torch.Tensor | None = None) -> MemberSamples:
@@ -106,7 +106,7 @@ class Span:
         decoded = self.decoded[rank] if row is None else row
         numel = decoded.numel()
         bound = envelope(view(self.payloads[rank]), decoded, CODEC.block_size)
-        signed = build_samples(self.sessions[rank], "round", self.randomness, {0: OwnRow(decoded, [(0, numel)],
+        signed = build_samples(self.signing[rank], "round", self.randomness, {0: OwnRow(decoded, [(0, numel)],
                                [bound])}, self.rule == "centered_clip", {})
         return parse_samples(signed, self.group.members[rank], "round", self.seed, {0: [(0, numel)]},
                              CODEC.block_size, KeyBook())

@@ -1,8 +1,8 @@
-"""Session keys and what members sign in a round.
+"""Signing keys and what members sign in a round.
 
 Every round message a member signs (its seal over a contribution, a reducer's statement and averaged chunks,
 a member's samples) is signed with a per-daemon Ed25519 key: ~0.1 ms a signature, where the libp2p identity
-key (RSA) takes ~1 ms. The session key is bound to the peer id once, by an RSA signature of the identity key
+key (RSA) takes ~1 ms. The signing key is bound to the peer id once, by an RSA signature of the identity key
 over it (the certificate in :class:`~peerd.proto.peerd_averaging_pb2.Credentials`). The credentials travel with
 what they sign, so a third member checks evidence against a peer it never talked to, and a peer cannot show
 different keys to different members.
@@ -27,16 +27,16 @@ from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.swarm.signing import verify_detached
 
-__all__ = ["Identity", "KeyBook", "SessionKey", "digest", "f64", "u64"]
+__all__ = ["Identity", "KeyBook", "SigningKey", "digest", "f64", "u64"]
 
-CERTIFICATE = b"peerd.v1.averaging.session-key"
+CERTIFICATE = b"peerd.v1.averaging.signing-key"
 SIGNATURE_BYTES = 64
 KEY_BYTES = 32
 KEYBOOK_SIZE = 4096
 
 
 class Identity(Protocol):
-    """A peer's libp2p identity: what certifies its session key (``peerd.swarm.signing.RecordSigner``)."""
+    """A peer's libp2p identity: what certifies its signing key (``peerd.swarm.signing.RecordSigner``)."""
 
     peer_id: str
     public_key: bytes
@@ -62,14 +62,14 @@ def digest(*parts: bytes | str) -> bytes:
     return hasher.digest()
 
 
-class SessionKey:
+class SigningKey:
     """This daemon's signing key for round messages, with the credentials that bind it to ``identity``."""
 
     def __init__(self, identity: Identity) -> None:
         self._key = Ed25519PrivateKey.generate()
         raw = self._key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         self.peer_id = identity.peer_id
-        self.credentials = pb.Credentials(identity_key=identity.public_key, session_key=raw,
+        self.credentials = pb.Credentials(identity_key=identity.public_key, signing_key=raw,
                                           certificate=identity.sign_detached(CERTIFICATE, raw))
 
     def sign(self, label: bytes, *parts: bytes | str) -> bytes:
@@ -77,7 +77,7 @@ class SessionKey:
 
 
 class KeyBook:
-    """Session keys whose certificates checked out (an RSA verify each, so cached; bounded, least recent out).
+    """Signing keys whose certificates checked out (an RSA verify each, so cached; bounded, least recent out).
     Thread-safe: proofs are checked in worker threads."""
 
     def __init__(self, size: int = KEYBOOK_SIZE) -> None:
@@ -86,15 +86,15 @@ class KeyBook:
         self._lock = threading.Lock()
 
     def key_of(self, credentials: pb.Credentials, peer: str) -> Ed25519PublicKey:
-        """``peer``'s session key from ``credentials``; ProtocolViolation unless they are ``peer``'s."""
-        entry = (bytes(credentials.identity_key), bytes(credentials.session_key))
+        """``peer``'s signing key from ``credentials``; ProtocolViolation unless they are ``peer``'s."""
+        entry = (bytes(credentials.identity_key), bytes(credentials.signing_key))
         with self._lock:
             known = self._keys.get(entry)
             if known is not None:
                 self._keys.move_to_end(entry)
         if known is None:
             if len(entry[1]) != KEY_BYTES:
-                raise ProtocolViolation(f"credentials of {peer}: session key of {len(entry[1])} bytes",
+                raise ProtocolViolation(f"credentials of {peer}: signing key of {len(entry[1])} bytes",
                                         peer_id=peer)
             try:
                 owner = verify_detached(entry[0], CERTIFICATE, entry[1], bytes(credentials.certificate))

@@ -41,7 +41,7 @@ class SpanRecord:
         self.payloads: dict[int, list[bytes | None]] = {self.rank: [None] * count}
         self.hashes: dict[int, list[bytes | None]] = {self.rank: [None] * count}
         self.weights: dict[int, float] = {self.rank: own_weight}
-        self.credentials: dict[int, pb.Credentials] = {self.rank: verification.session.credentials}
+        self.credentials: dict[int, pb.Credentials] = {self.rank: verification.signing.credentials}
         self.seals: dict[int, bytes] = {}
         self.sealed: dict[int, asyncio.Event] = {}
         self.records: list[pb.ChunkRecord] = [pb.ChunkRecord() for _ in self.chunks]
@@ -104,7 +104,7 @@ class SpanRecord:
 
     def sign_output(self, index: int, payload: bytes | bytearray) -> bytes:
         digest = blake3.blake3(payload).digest()
-        self.signatures[index] = self.v.session.sign(OUTPUT, *output_parts(self.group.round_id, self.rank, index,
+        self.signatures[index] = self.v.signing.sign(OUTPUT, *output_parts(self.group.round_id, self.rank, index,
                                                                             digest))
         return self.signatures[index]
 
@@ -127,7 +127,7 @@ class SpanRecord:
         statement = pb.SpanStatement(
             round_id=self.group.round_id, span_index=self.rank, span_numel=self.numel,
             chunk_numel=self.v.config.chunk_numel, members=list(self.group.members), rule=self.rule,
-            reducer=self.v.session.credentials)
+            reducer=self.v.signing.credentials)
         for rank in sorted(included | {self.rank}):
             hashes = self.hashes[rank]
             count = next((i for i, h in enumerate(hashes) if h is None), len(hashes))
@@ -138,7 +138,7 @@ class SpanRecord:
             statement.chunks.append(record)
             if record.void:
                 self.v.own_void.append(index)
-        return sign_statement(self.v.session, statement)
+        return sign_statement(self.v.signing, statement)
 
     async def serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A sender's verification messages after its seal: its seed share, its samples, at most one challenge."""

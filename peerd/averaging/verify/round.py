@@ -22,7 +22,7 @@ from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import Inconsistent, check_chunk
 from peerd.averaging.verify.disputes import judge_chunk, output_signed
-from peerd.averaging.verify.keys import KeyBook, SessionKey
+from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.payloads import view
 from peerd.averaging.verify.proofs import Evidence, bad_reduction, equivocation, false_samples, two_averages
 from peerd.averaging.verify.randomness import RoundRandomness, commitment, new_share, round_seed
@@ -51,11 +51,11 @@ class Verdict:
 
 
 class RoundVerification:
-    def __init__(self, group: Group, rank: int, session: SessionKey, keys: KeyBook, config: AveragingConfig,
+    def __init__(self, group: Group, rank: int, signing: SigningKey, keys: KeyBook, config: AveragingConfig,
                  spans: list[tuple[int, int]], result: torch.Tensor, accuse: Accuse) -> None:
         """``result``: the all-reduce's result, where the averages this member received land; ``accuse(peer,
         reason, evidence, proven)``: what to do with a peer found lying (evidence None: nothing to show)."""
-        self.group, self.rank, self.session, self.keys, self.config = group, rank, session, keys, config
+        self.group, self.rank, self.signing, self.keys, self.config = group, rank, signing, keys, config
         self.result, self.accuse = result, accuse
         chunk_numel = config.chunk_numel
         self.me = group.members[rank]
@@ -157,7 +157,7 @@ class RoundVerification:
         randomness = await self.randomness()
         others = set(range(len(self.spans))) - {self.rank}
         await self._until(lambda: self.rows_done >= others)
-        signed = await asyncio.to_thread(build_samples, self.session, self.group.round_id, randomness,
+        signed = await asyncio.to_thread(build_samples, self.signing, self.group.round_id, randomness,
                                          dict(self.own_rows), self.with_sketch, self.outputs)
         await self.samples_from(self.me, signed)
         return signed

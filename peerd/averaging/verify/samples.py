@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from google.protobuf.message import DecodeError
 
-from peerd.averaging.verify.keys import KeyBook, SessionKey
+from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.payloads import COARSE_BLOCKS
 from peerd.averaging.verify.randomness import SAMPLES, SKETCH_SIZE, RoundRandomness
 from peerd.errors import ProtocolViolation
@@ -60,7 +60,7 @@ def envelope_count(length: int, block_size: int) -> int:
     return -(-length // (COARSE_BLOCKS * block_size))
 
 
-def build_samples(key: SessionKey, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
+def build_samples(key: SigningKey, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
                   with_sketch: bool, outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]]) -> pb.Signed:
     """``outputs``: span -> chunk -> (payload, signature, hash) of the averages this member received."""
     message = pb.MemberSamples(round_id=round_id, member=key.peer_id, seed=randomness.seed,

@@ -19,7 +19,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from peerd.averaging.group import Group
-from peerd.averaging.verify.keys import KeyBook, SessionKey, f64, u64
+from peerd.averaging.verify.keys import KeyBook, SigningKey, f64, u64
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
@@ -72,7 +72,7 @@ class Statement:
     signed: pb.Signed
 
 
-def sign_statement(key: SessionKey, statement: pb.SpanStatement) -> pb.Signed:
+def sign_statement(key: SigningKey, statement: pb.SpanStatement) -> pb.Signed:
     body = statement.SerializeToString()
     return pb.Signed(body=body, signature=key.sign(STATEMENT, body))
 
