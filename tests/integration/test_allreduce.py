@@ -21,7 +21,7 @@ from peerd.averaging.group import Group
 from peerd.averaging.layout import split_spans
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.verify.randomness import commitment, new_share
-from peerd.config import AveragingConfig, CodecConfig, StreamLimits
+from peerd.config import AveragingConfig, CodecConfig, StreamLimits, VerificationConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
 from peerd.wire.frames import read_message, write_frame, write_message
@@ -35,8 +35,9 @@ pytestmark = pytest.mark.integration
 OPEN = Membership()
 # These tests check the weighted mean and its fault handling; robust rules have tests of their own
 # (tests/unit/test_aggregation.py, tests/integration/test_robust_averaging.py).
+# No random audits here: some tests count every byte a round moves (one test below audits on purpose).
 CONFIG = AveragingConfig(round_timeout=4.0, join_timeout=2.0, codec=CodecConfig(min_compress_numel=0),
-                         aggregation="mean")
+                         aggregation="mean", verification=VerificationConfig(audit_probability=0.0))
 # For tests whose rounds never wait for round_timeout: on a loaded machine an honest member's contribution may
 # take longer than CONFIG's 4 s, and its exclusion would then fail a test about something else.
 PATIENT = CONFIG.model_copy(update={"round_timeout": 30.0})
