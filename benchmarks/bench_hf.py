@@ -67,7 +67,7 @@ def plain_loop(batches: int, threads: int) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - started
     tokens = batches * data[0].numel()
-    return {"tokens_per_second": tokens / seconds, "peak_rss_mib": _peak_rss(os.getpid()), "loss": float(loss)}
+    return {"tokens_per_second": tokens / seconds, "peak_rss_mib": _peak_rss(os.getpid()), "loss": float(loss.detach())}
 
 
 def _peak_rss(pid: int) -> float:
