@@ -4,6 +4,7 @@ LoRA, and a clear error for every bad input."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,16 @@ def _malformed(directory: Path) -> Path:
     path = directory / "bad.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
     return path
+
+
+def test_bf16_autocast_trains_the_hf_model_and_keeps_fp32_weights(assets: dict[str, Path]) -> None:
+    task = build(options(assets))
+    local = LocalModel(TrainingConfig(enabled=True, precision="bf16", device="cpu", lr=0.01), task,
+                       error_feedback=False)
+    before = local.validation_loss()
+    batches = task.train_batches()
+    for _ in range(8):
+        loss, samples = local.forward_backward(next(batches))
+        assert local.inner_step(samples) is None and math.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in local.params)
+    assert local.validation_loss() < before

@@ -37,6 +37,8 @@ class DilocoMode(Mode):
         self.outer = OuterState(host.config.diloco, host.local)
         self.overlap = host.config.diloco.overlap
         self.pending: asyncio.Future[None] | None = None
+        self.accumulate = host.config.diloco.accumulate
+        self._accumulated = (0, 0)  # micro-batches and samples whose gradients await the next inner step
 
     def batch_complete(self, view: SwarmProgress) -> bool:
         """The trainers at this phase have taken inner_steps micro-batches each on average (faster peers more,
@@ -46,12 +48,22 @@ class DilocoMode(Mode):
             return True
         others = [p for peer, p in view.peers.items() if p.step == h.step and peer != h.peer_id]
         samples = h.samples + sum(p.samples for p in others)
-        return samples >= h.config.diloco.inner_steps * h.local.task.batch_size * (1 + len(others))
+        per_peer = h.config.diloco.inner_steps * self.accumulate * h.local.task.batch_size
+        return samples >= per_peer * (1 + len(others))
 
     def after_backward(self, samples: int) -> str | None:
-        refused = self.host.local.inner_step(samples)
+        micro_batches, accumulated = self._accumulated
+        self._accumulated = (micro_batches + 1, accumulated + samples)
+        return self._inner_step() if micro_batches + 1 >= self.accumulate else None
+
+    def _inner_step(self) -> str | None:
+        """One inner optimizer step with the gradients accumulated since the last (None if there are none)."""
+        micro_batches, samples = self._accumulated
+        if not micro_batches:
+            return None
+        self._accumulated = (0, 0)
         self.host.report.inner_steps += 1
-        return refused
+        return self.host.local.inner_step(samples)
 
     @property
     def in_flight(self) -> bool:
@@ -68,6 +80,10 @@ class DilocoMode(Mode):
         await h.publish()  # the others see at once that this peer's share is complete
         phase, weight = h.step, float(h.samples)
         async with h.step_lock:
+            # a phase the swarm ended between inner steps: the gradients accumulated so far still count
+            refused = await asyncio.to_thread(self._inner_step)
+            if refused is not None:
+                logger.error("Phase %d, last inner step: not applied: %s", phase, refused)
             pseudo = await asyncio.to_thread(self.outer.end_phase)
             h.step, h.samples, h.report.inner_steps = phase + 1, 0, 0
         h.report.step = h.step
@@ -147,3 +163,4 @@ class DilocoMode(Mode):
     def restore(self, state: TrainingState) -> None:
         super().restore(state)
         self.outer.load_named(state.tensors)
+        self._accumulated = (0, 0)  # the caller drops the gradients: they belong to the state replaced
