@@ -155,7 +155,8 @@ def test_lora_moves_only_adapters_learns_and_exports_an_adapter(
                           checkpoint={"every_steps": steps, "directory": str(tmp_path / "ckpt")})
     swarm = LocalSwarm(config, log_dir=tmp_path)
     swarms.append(swarm)
-    swarm.add_peer(timeout=120)
+    swarm.add_peer(["-o", f"training.export.directory={tmp_path / 'auto'}", "-o", "training.export.merge_lora=true"],
+                   timeout=120)
     for i in (1, 2):
         swarm.spawn_peer(["-o", f"training.checkpoint.directory={tmp_path / f'ckpt{i}'}"])
     for peer in swarm.peers:
@@ -181,6 +182,11 @@ def test_lora_moves_only_adapters_learns_and_exports_an_adapter(
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["model"]), tmp_path / "adapter")
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert lora and any(float(p.abs().max()) > 0 for p in lora.values())  # B starts at zero: it trained
+    # peer0 exported on its own at max_steps, merged: the same model as the base with its adapter
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "auto").eval()
+    assert (tmp_path / "auto" / "adapter" / "adapter_config.json").is_file()
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.allclose(merged(input_ids=tokens).logits, model.eval()(input_ids=tokens).logits, atol=1e-4)
     assert swarm.stop() == [0, 0, 0]
 
 

@@ -216,3 +216,15 @@ def test_bf16_autocast_trains_the_hf_model_and_keeps_fp32_weights(assets: dict[s
         assert local.inner_step(samples) is None and math.isfinite(loss)
     assert all(p.dtype == torch.float32 for p in local.params)
     assert local.validation_loss() < before
+
+
+def test_a_data_set_by_id_streams_its_rows(assets: dict[str, Path], tmp_path: Path) -> None:
+    # datasets resolves an id that is a local directory of data files offline, as it would a Hub id online
+    write_jsonl(tmp_path / "dataset" / "train.jsonl", sentences(900))
+    task = build(options(assets, data={"dataset": str(tmp_path / "dataset")}), num_shards=2)
+    records = [text for text, _ in task.corpus.records()]
+    assert records == sentences(900)
+    assert next(task.train_batches()).shape == (4, 32)
+    with pytest.raises(ConfigError, match="data.dataset '/no/such/dataset' could not be read") as info:
+        build(options(assets, data={"dataset": "/no/such/dataset"}))
+    assert field_of(info) == "training.task.options.data.dataset"
