@@ -11,6 +11,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# Nothing in the tests may come from a model or data hub; set before any test (or peer it starts) imports them,
+# so a lookup that would go to the network fails at once instead of waiting for a connection.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 LOCAL_CONFIG = REPO / "configs" / "local.yaml"
 
 
