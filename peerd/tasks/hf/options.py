@@ -32,7 +32,8 @@ class DataOptions(BaseModel):
 
     files: list[str] = Field(
         default_factory=list,
-        description="Local files or glob patterns (`**` recurses), read in sorted order; a pattern may start with "
+        description="Local files or glob patterns (`**` recurses), read in the order given, each glob sorted; a "
+        "pattern may start with "
         f"{STDLIB}, the directory of this Python's standard library (text every machine has).",
     )
     format: Literal["auto", "text", "json", "parquet"] = Field(
