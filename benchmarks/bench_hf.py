@@ -105,6 +105,7 @@ def tokens_per_second(peer: PeerProcess, seq_len: int) -> float:
 
 def run_peers(count: int, batches: int, threads: int, log_dir: Path) -> dict[str, Any]:
     """``count`` peers (1: sync mode alone; more: diloco), each training ``batches`` micro-batches."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     per_step = 20
     mode = "sync" if count == 1 else "diloco"
     args = [*peer_args(per_step, max(1, batches // per_step), mode), "-o", f"training.wait_for_peers={count}"]
@@ -185,10 +186,10 @@ def main() -> None:
     rows, loops, lones, threes = [], [], [], []
     for repeat in range(args.repeats):
         loop = run_loop(args.batches, args.threads)
-        with tempfile.TemporaryDirectory(prefix="peerd-bench-hf-") as tmp:
-            lone = run_peers(1, args.batches, args.threads, Path(tmp))
-        with tempfile.TemporaryDirectory(prefix="peerd-bench-hf-") as tmp:  # side by side, one thread each
-            three = run_peers(3, args.batches, 1, Path(tmp))
+        logs = Path(tempfile.mkdtemp(prefix="peerd-bench-hf-"))  # kept: the peers' logs, if one fails
+        print(f"run {repeat + 1}: peer logs in {logs}", flush=True)
+        lone = run_peers(1, args.batches, args.threads, logs / "lone")
+        three = run_peers(3, args.batches, 1, logs / "three")  # side by side, one thread each
         loops.append(loop["tokens_per_second"])
         lones.append(lone["tokens_per_second"])
         threes.append(three["tokens_per_second"])

@@ -94,27 +94,27 @@ def test_pretrained_directory_and_its_revision_are_in_the_fingerprint(assets: di
 @pytest.mark.parametrize("kind", ["text", "jsonl", "parquet"])
 def test_shards_are_disjoint_cover_the_data_and_never_see_validation(assets: dict[str, Path], kind: str) -> None:
     files = [str(assets["root"] / "data" / "*.txt")] if kind == "text" else [str(assets[kind])]
-    opts = options(assets, data={"files": files, "text_block_chars": 256, "shuffle_buffer": 1})
+    opts = options(assets, data={"files": files, "text_block_chars": 256, "shuffle_buffer": 1, "val_every": 7})
     shards = 3
     tasks = [build(opts, shard=s, num_shards=shards) for s in range(shards)]
     corpus = tasks[0].corpus
     records = [text for text, _ in corpus.records()]
-    held_out = corpus.held_out
-    assert 0 < held_out < len(records)
-    seen: list[set[int]] = []
+    held_out = [i for i in range(len(records)) if corpus.held_out(i)]
+    training = [i for i in range(len(records)) if not corpus.held_out(i)]
+    assert held_out and held_out == list(range(0, held_out[-1] + 1, 7)), "every 7th record from the start"
+    assert len(training) > 10 * len(held_out)
+
+    def tokens(indices: list[int]) -> list[int]:
+        return [t for i in indices for t in next(corpus._tokenize([(records[i], kind != "text")]))]
+
     for shard in range(shards):
-        indices = {i for i in range(held_out, len(records)) if (i - held_out) % shards == shard}
-        seen.append(indices)
-        tokens = [t for seq in tasks[shard].corpus.train_sequences(shard, shards, 0) for t in seq]
-        # in order (shuffle_buffer 1): this shard's sequences are the start of its records' tokens
-        expected = [t for i in sorted(indices) for t in tasks[shard].corpus._tokenize([(records[i], kind != "text")])
-                    .__next__()]
-        assert tokens == expected[: len(tokens)] and len(expected) - len(tokens) < 32
-    assert set.union(*seen) == set(range(held_out, len(records)))
-    assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1 :])
+        mine = training[shard::shards]
+        # in order (shuffle_buffer 1): this shard's sequences are its records' tokens, packed
+        got = [t for seq in tasks[shard].corpus.train_sequences(shard, shards, 0) for t in seq]
+        expected = tokens(mine)
+        assert got == expected[: len(got)] and len(expected) - len(got) < 32
     validation = torch.cat(tasks[0].validation_batches()).reshape(-1).tolist()
-    first = [t for text in records[:held_out] for t in next(corpus._tokenize([(text, kind != "text")]))]
-    assert validation == first[: len(validation)], "validation is the data's first sequences, on every peer"
+    assert validation == tokens(held_out)[: len(validation)], "validation is the held-out records' sequences"
     assert all(torch.equal(x, y) for t in tasks[1:] for x, y in zip(t.validation_batches(), tasks[0].validation_batches(),
                                                                      strict=True))
 
@@ -181,13 +181,16 @@ def field_of(error: pytest.ExceptionInfo[ConfigError]) -> str:
         (lambda a, t: {"seq_len": 200}, "training.task.options.seq_len", "max_position_embeddings (128)"),
         (lambda a, t: {"config": {**TINY_LLAMA, "vocab_size": 100}}, "training.task.options.tokenizer",
          "more than the model's 100 embeddings"),
-        (lambda a, t: {"data": {"files": [str(write_text(t / "small.txt", sentences(40)))],
-                                "text_block_chars": 64}}, "training.task.num_shards", "fewer than one batch"),
+        (lambda a, t: {"data": {"files": [str(write_text(t / "small.txt", sentences(60)))],
+                                "text_block_chars": 64, "val_every": 4}}, "training.task.num_shards",
+         "fewer than one batch"),
+        (lambda a, t: {"data": {"files": [str(write_text(t / "tiny.txt", sentences(10)))]}},
+         "training.task.options.val_batches", "for validation (every 50th record)"),
         (lambda a, t: {"lora": {"target_modules": ["nope_proj"]}}, "training.task.options.lora.target_modules",
          "nope_proj"),
     ],
     ids=["model-dir", "file-missing", "glob-empty", "file-empty", "json-malformed", "json-field", "seq-len",
-         "vocab", "too-small-for-shards", "lora-targets"],
+         "vocab", "too-small-for-shards", "too-small-for-validation", "lora-targets"],
 )
 def test_bad_input_is_one_line_naming_the_option_or_file(
     assets: dict[str, Path], tmp_path: Path, change: Any, field: str, words: str

@@ -52,6 +52,12 @@ class DataOptions(BaseModel):
         description="Plain text is cut into blocks of whole lines of about this many characters; blocks are what "
         "is dealt to the shards, so a shard reads runs of consecutive lines.",
     )
+    val_every: int = Field(
+        default=50, ge=1, le=2**20,
+        description="Every val_every-th record from the start goes to the validation set until it holds "
+        "val_batches x batch_size sequences (1: the first records), so it samples the corpus rather than its "
+        "first file; those records are never trained on.",
+    )
     shuffle_buffer: int = Field(
         default=256, ge=1, le=2**20,
         description="Packed sequences held for shuffling, per peer (1: in order); memory is this times seq_len.",
@@ -87,7 +93,7 @@ class HFOptions(BaseModel):
     seq_len: int = Field(default=256, ge=2, le=2**20, description="Tokens per packed sequence.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per micro-batch.")
     val_batches: int = Field(
-        default=4, ge=1, description="Held-out batches: the first sequences of the data, never trained on."
+        default=4, ge=1, description="Held-out batches (data.val_every says which records), never trained on."
     )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward pass: less memory, more compute."
