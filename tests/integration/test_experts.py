@@ -17,9 +17,8 @@ from hivemind.p2p import P2P
 
 from peerd.config import StreamLimits
 from peerd.errors import ProtocolViolation
-from peerd.experts.batching import wire_codec
+from peerd.experts.calls import HANDLER_NAME, wire_codec
 from peerd.experts.records import PROTOCOL_VERSION
-from peerd.experts.server import HANDLER_NAME
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec

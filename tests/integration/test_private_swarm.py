@@ -16,7 +16,7 @@ from hivemind.p2p import P2P
 from peerd.averaging.allreduce import HANDLER_NAME as AVERAGING
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError, StateError
-from peerd.experts.server import HANDLER_NAME as EXPERTS
+from peerd.experts.calls import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.training.transfer.download import StateDownloader, probe_state
 from peerd.training.transfer.server import HANDLER_NAME as STATE

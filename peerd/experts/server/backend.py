@@ -1,10 +1,10 @@
 """One served expert: its module, its optimizer, and the batched forward/backward computations.
 
 Everything here runs on the server's compute threads, never on the event loop. A backward batch goes
-through the forward graphs the host kept for its calls (:mod:`peerd.experts.stash`) or, where none is kept
+through the forward graphs the host kept for its calls (:mod:`peerd.experts.server.stash`) or, where none is kept
 or the parameters changed since, recomputes the forward pass on the inputs; it sums the parameter gradients
 of every call in the batch, answers the callers, and then applies one optimizer step (background work: see
-:mod:`peerd.experts.workers`). Non-finite outputs or gradients raise
+:mod:`peerd.experts.server.workers`). Non-finite outputs or gradients raise
 :class:`ExpertFailure` before any parameter changes, so a bad batch never corrupts the expert.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from peerd.config import ExpertsConfig
-from peerd.experts.stash import Graph
+from peerd.experts.server.stash import Graph
 from peerd.experts.stats import CallStats
 from peerd.wire.codec import all_finite
 
