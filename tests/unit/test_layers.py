@@ -1,5 +1,5 @@
-"""The floor plan holds: every import in peerd/ points down the floors of docs/architecture.md, and nothing imports
-in a circle.
+"""The floor plan holds: every import in peerd/ points down the floors of docs/architecture.md, nothing imports
+in a circle, and no module grows past MAX_LINES.
 
 The floors are read from the page itself (its block under "## Floors"), so the page and the code cannot drift:
 a unit (a module or package directly under peerd/) may import the units listed below it in that block, on its
@@ -28,6 +28,7 @@ PACKAGE = ROOT / "peerd"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 # sides of one package that must not import each other in either direction
 INDEPENDENT = [("peerd.experts.client", "peerd.experts.server")]
+MAX_LINES = 300  # a module longer than this holds more than one thing: split it along a seam
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -240,3 +241,8 @@ def test_the_checks_see_function_level_and_type_checking_imports() -> None:
     found = [(node.lineno, typing_only) for node, typing_only in statements(tree)]
     assert found == [(1, False), (2, False), (4, True), (6, False)]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    long = {name: n for name, path in all_modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
