@@ -68,7 +68,7 @@ class Daemon:
         await check_paths(self.config.training)
         if self.membership.open:
             logger.warning("Open swarm: any peer that learns an address of this swarm can join its averaging, "
-                           "call its experts and download its training state (set swarm.secret_path: README, "
+                           "call its experts and download its training state (set swarm.secret_path: docs/security.md, "
                            "'Private swarms')")
         else:
             logger.info("Membership: %s; only members are served", self.membership.describe())

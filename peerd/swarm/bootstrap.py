@@ -29,9 +29,8 @@ logger = logging.getLogger(__name__)
 
 # peerd reads every key for its latest value (records, progress, round keys), which a local cache never
 # answers, so hivemind's caching only costs: after each read it stores the whole dictionary on the nearest node
-# that lacked it, and re-reads cached keys shortly before they expire. Off, 32 light peers on one machine
-# sent 3.5x fewer bytes, used 1.4 cores instead of 1.9 and reached a full view in 4 s instead of 27
-# (docs/scaling.md).
+# that lacked it, and re-reads cached keys shortly before they expire. Off, a swarm sends fewer bytes, spends
+# less CPU and reaches a full view sooner (docs/scaling.md; the measurements are on the benchmarks page).
 NO_DHT_CACHE = {"cache_locally": False, "cache_nearest": 0, "cache_refresh_before_expiry": 0, "cache_on_store": False}
 
 
@@ -48,7 +47,8 @@ async def start_with_retries(config: SwarmConfig, identity_path: Path, fresh_ide
             raise clock_skew_error(e, config.initial_peers) or BootstrapError(
                 f"an initial peer refused this one: {short_error(e)}", addresses=list(config.initial_peers)) from e
         # RuntimeError: hivemind's "DHTNode bootstrap failed: none of the initial_peers responded to a ping",
-        # which a busy initial peer (64 daemons starting on 2 cores) gives as readily as a missing one
+        # which a busy initial peer (many daemons starting at once on a small machine) gives as readily as a
+        # missing one
         except (P2PDaemonError, TimeoutError, OSError, RuntimeError) as e:
             last_error = e
             if not config.initial_peers:

@@ -47,7 +47,8 @@ class ExpertFailure(Exception):
 def _optimizer(config: ExpertsConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
-    # The fused kernels are 2-4x faster than the per-tensor loop on CPU, and the step is on every backward call.
+    # The fused kernels update all parameters in a few passes instead of a loop of small ops per tensor, and the
+    # step runs after every backward call.
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
     return cls(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
 
