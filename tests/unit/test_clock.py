@@ -21,7 +21,7 @@ from peerd.tables import format_status
 from peerd.training.health import STALL_ROUNDS, AveragingHealth
 from peerd.training.report import TrainingReport
 from peerd.wire.membership import Membership
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
