@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 
 def nat_config(secret: Path) -> str:
-    """test_experts' MoE LM swarm, open to other hosts, private, with timeouts for calls through a relay."""
+    """The MoE LM swarm (MOE_CONFIG), open to other hosts, private, with timeouts for calls through a relay."""
     config = yaml.safe_load(MOE_CONFIG)
     config["run_name"] = "peerd-nat-test"
     config["swarm"].update(host_maddrs=["/ip4/0.0.0.0/tcp/0"], record_ttl=6.0, secret_path=str(secret))
