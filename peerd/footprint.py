@@ -1,21 +1,21 @@
 """Keeps a daemon process small; applied by `peerd start` before anything imports hivemind.
 
-Measured on a light peer (no training, no experts; ``benchmarks/bench_light.py``), two things cost memory in
-every peer without serving peerd:
+Two things cost memory in every peer without serving peerd (the measurements, taken on a light peer with
+``benchmarks/bench_light.py``, are on the benchmarks page, "Memory per peer"):
 
 - hivemind's package ``__init__`` imports its averager, optimizer and MoE server (with scipy), although peerd
-  only uses ``hivemind.dht``, ``hivemind.p2p`` and ``hivemind.utils``: about 45 MiB of heap per daemon, which
-  the forked DHT child inherits. The package is registered without running its ``__init__``; its submodules
-  import as usual, and the first attribute asked of the package itself (``hivemind.DHT``) runs the real
-  ``__init__`` then, so nothing that wants the full package breaks.
+  only uses ``hivemind.dht``, ``hivemind.p2p`` and ``hivemind.utils``: heap every daemon holds, and the forked
+  DHT child inherits. The package is registered without running its ``__init__``; its submodules import as
+  usual, and the first attribute asked of the package itself (``hivemind.DHT``) runs the real ``__init__``
+  then, so nothing that wants the full package breaks.
 - hivemind's MPFuture (every DHT request's future) keeps its state in a torch tensor in shared memory, with
-  torch's ``file_system`` sharing strategy by default, which starts a ``torch_shm_manager`` process (about
-  80 MiB PSS: it links all of libtorch). With ``file_descriptor`` the same tensors are shared as file
-  descriptors and no manager process runs; hivemind reads the strategy from its own environment variable.
+  torch's ``file_system`` sharing strategy by default, which starts a ``torch_shm_manager`` process (it links
+  all of libtorch). With ``file_descriptor`` the same tensors are shared as file descriptors and no manager
+  process runs; hivemind reads the strategy from its own environment variable.
 
-And p2pd (Go, started by the DHT child with this environment) holds about 29 MiB of live heap from its start;
-with Go's default GOGC=100 its heap grows to twice that before a collection, 86 MiB RSS beside a trainer.
-GOGC=50 (25 on a light peer, which moves no gradients) keeps it at 71 (65) MiB for a little more collector time.
+And p2pd (Go, started by the DHT child with this environment) holds a live heap from its start that, with Go's
+default GOGC=100, grows to twice its size before a collection. GOGC=50 (25 on a light peer, which moves no
+gradients) keeps it smaller for a little more collector time.
 """
 
 from __future__ import annotations

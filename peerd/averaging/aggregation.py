@@ -113,8 +113,8 @@ def _clip(
         gc = gram @ coefficients
         squared = (gram.diagonal() - 2 * gc + coefficients @ gc).clamp_min(0)
         # tau follows the spread around the current estimate, not around the medoid: from the medoid, the
-        # nearest member sets the scale and (3 members) the other honest one was clipped in most rounds of an LM
-        # run, +1.7% final loss; around the estimate every honest member sits near the median distance.
+        # nearest member sets the scale, so in a group of 3 the other honest member is clipped in most rounds;
+        # around the estimate every honest member sits near the median distance.
         # Members left out (weight 0) still count here: tau must not shrink because an outlier was dropped.
         tau = radius * sorted(float(s) for s in squared)[(n - 1) // 2] ** 0.5
         if tau <= 0.0 or not math.isfinite(tau):

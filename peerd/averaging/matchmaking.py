@@ -20,7 +20,8 @@ another's, rather than to measure and correct offsets (a DHT round trip of unkno
 estimate, and every member would have to agree on it). ``t`` only orders registrations, which every reader
 sees alike; the window is timed by the leader on its own monotonic clock from its own registration; the
 groups hold what the leader had received when it closed, not the registrations whose ``t`` fell before a
-cut-off (a peer 2 s ahead used to land past the leader's window and average in no round); and because
+cut-off (a cut-off on ``t`` would leave a peer whose clock is ahead past every leader's window, averaging in no
+round); and because
 decisions are final, a peer whose clock is behind, registering after a decision, cannot make itself a
 second leader with an earlier ``t``. So a skewed peer is grouped exactly as if its clock were right, at any
 offset; only its place in the order moves.

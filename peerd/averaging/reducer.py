@@ -4,8 +4,8 @@ arrive. A member whose chunk fails validation, whose stream breaks or who is too
 rest of the round; its earlier, valid chunks stay in their averages. Nothing invalid is ever added.
 
 With ``averaging.aggregation: mean`` each chunk's running sum lives in the caller's result slice and starts
-when the chunk is first touched, so a round does no span-sized work before its first chunk leaves (that was
-30-80 ms of idle uplink per round). A robust rule keeps every member's decoded chunk instead and combines
+when the chunk is first touched, so a round does no span-sized work before its first chunk leaves (the
+uplink would sit idle meanwhile). A robust rule keeps every member's decoded chunk instead and combines
 them once all are in (robust.py): the rule needs them together, and combining in rank order makes the result
 independent of arrival order."""
 

@@ -16,8 +16,8 @@ class CodecConfig(Section):
 
     block_size: int = Field(
         default=128, ge=8, le=65536,
-        description="Elements per absmax-scaled block; 128 with bf16 scales is 1.016 bytes per element and a "
-        "relative error of 6.5e-3 on Gaussian data (benchmarks/bench_codec.py has the sweep).",
+        description="Elements per absmax-scaled block. Each block carries its own bf16 scale (2 bytes; at 128 "
+        "that is 1.016 bytes per element): smaller blocks follow the values more closely and cost more bytes.",
     )
     min_compress_numel: int = Field(
         default=4096, ge=0, description="Tensors with fewer elements are sent as fp16 instead of 8-bit."
@@ -71,16 +71,15 @@ class AveragingConfig(Section):
     max_weight_ratio: float = Field(
         default=1.0, ge=1.0, allow_inf_nan=False,
         description="Robust aggregation: a member's claimed weight (samples) counts at most this many times "
-        "the group's (lower) median claim. 1: nobody outweighs the median member; an attacker's clipped "
-        "contribution pulls the result by its weight share, so 2 let a -1000x attacker slow training 4-70x "
-        "more than 1 did (README, 'Robust averaging').",
+        "the group's (lower) median claim. 1: nobody outweighs the median member. An attacker's clipped "
+        "contribution pulls the result by its weight share, so a larger ratio lets one that claims many "
+        "samples pull it further.",
     )
     clip_radius: float = Field(
         default=2.0, gt=0, allow_inf_nan=False,
         description="centered_clip: clip each deviation from the center to this many times the median "
-        "distance of the members from it. Smaller clips honest members too (1.5 cost 20% of an honest LM "
-        "round's average at worst, 2 under 3%); larger lets an attacker pull further (README, 'Robust "
-        "averaging').",
+        "distance of the members from it. Smaller clips honest members' contributions too, which shrinks "
+        "the steps of honest rounds; larger lets an attacker pull further.",
     )
     clip_iterations: int = Field(
         default=3, ge=1, le=50, description="centered_clip: fixed-point iterations per chunk."

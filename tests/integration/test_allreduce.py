@@ -23,7 +23,7 @@ from peerd.wire import codec
 from peerd.wire.frames import read_message, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
-from tests.integration.transports import LISTEN
+from tests.helpers import LISTEN, p2p_daemons
 
 pytestmark = pytest.mark.integration
 
@@ -41,19 +41,11 @@ async def with_peers(
     n: int, body: Callable[[list[P2P], list[AllReducer]], Awaitable[Any]], config: AveragingConfig = CONFIG,
     transport: str = "tcp", membership: Membership = OPEN,
 ) -> Any:
-    p2ps: list[P2P] = []
-    try:
-        p2ps.append(await P2P.create(host_maddrs=[LISTEN[transport]]))
-        maddrs = [str(m) for m in await p2ps[0].get_visible_maddrs()]
-        for _ in range(n - 1):
-            p2ps.append(await P2P.create(host_maddrs=[LISTEN[transport]], initial_peers=maddrs))
+    async with p2p_daemons(n, LISTEN[transport]) as p2ps:
         reducers = [AllReducer(StreamGuard(p, membership, StreamLimits()), config) for p in p2ps]
         for reducer in reducers:
             await reducer.start()
         return await body(p2ps, reducers)
-    finally:
-        for p2p in p2ps:
-            await p2p.shutdown()
 
 
 def weighted_mean(xs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:

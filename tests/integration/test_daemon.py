@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, alive_pids, describe_process, wait_for
-from tests.conftest import LOCAL_CONFIG, REPO
+from tests.helpers import LOCAL_CONFIG, REPO
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from peerd.launcher import LocalSwarm, wait_for
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordSigner
 from peerd.wire.membership import Membership, generate_secret
-from tests.conftest import LOCAL_CONFIG
+from tests.helpers import LOCAL_CONFIG
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,10 @@ import torch
 import yaml
 
 from peerd.config import TaskConfig
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.launcher import LocalSwarm, wait_for
 from peerd.tasks import build_task
+from tests.helpers import training, validations
 from tests.hf_models import TINY_LLAMA, make_model, make_tokenizer, sentences, write_jsonl, write_text
-from tests.integration.test_training import training
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,6 @@ def swarm_config(path: Path, options: dict[str, Any], **training: Any) -> Path:
 def scratch_options(assets: dict[str, Path]) -> dict[str, Any]:
     return {"config": dict(TINY_LLAMA), "tokenizer": str(assets["tokenizer"]), "seq_len": 32, "batch_size": 8,
             "val_batches": 2, "data": {"files": [str(assets["text"])]}}
-
-
-def validations(peer: PeerProcess) -> list[float]:
-    return [loss for _, _, loss in peer.history()["validation_loss"]]
 
 
 def export(checkpoints: Path, out: Path, *extra: str) -> None:
@@ -115,7 +111,7 @@ def test_a_tiny_llama_from_scratch_trains_joins_and_exports(
     untrained = build_task(TaskConfig(name="hf", options=scratch_options(assets), num_shards=8), 0)
     first = untrained.validation_loss(untrained.model)  # every peer starts from this model (seed 0)
     for peer in swarm.peers:  # the late joiner too: it trained on from the swarm's state
-        losses = validations(peer)
+        losses = [loss for _, loss in validations(peer)]
         assert losses and losses[-1] < first - 1.0, (peer.name, first, losses)
     assert all(training(p)["tokens_per_second"] > 0 for p in swarm.peers[:3])
 
@@ -172,7 +168,7 @@ def test_lora_moves_only_adapters_learns_and_exports_an_adapter(
     assert per_round < 4 * adapters < report["model_parameters"] / 10, (per_round, adapters)
     moved = report["round_bytes"]
     assert moved["all_parameters"] > 40 * moved["trainable"], moved
-    losses = validations(swarm.peers[0])
+    losses = [loss for _, loss in validations(swarm.peers[0])]
     assert losses[-1] < losses[0] - 0.05, losses
 
     export(tmp_path / "ckpt", tmp_path / "adapter")

@@ -16,36 +16,30 @@ from hivemind.p2p import P2P
 from peerd.averaging.allreduce import HANDLER_NAME as AVERAGING
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError, StateError
-from peerd.experts.server import HANDLER_NAME as EXPERTS
+from peerd.experts.calls import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.training.transfer.download import StateDownloader, probe_state
 from peerd.training.transfer.server import HANDLER_NAME as STATE
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, generate_secret, load_secret
-from tests.integration.test_experts import CONFIG, HIDDEN
+from tests.helpers import MOE_CONFIG, experts_option, validations
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-HOST = (f"{{uid_prefix: 'ffn.1.', count: 4, first_index: 0, hidden_dim: {HIDDEN}, ffn_dim: 64, lr: 0.003, "
-        "announce_period: 1.0, record_ttl: 6.0}")
+HOST = experts_option(4)
 
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     config = tmp_path / "private.yaml"
     # state transfers only to peers behind: strangers join late, so they try; members never need one
-    config.write_text(CONFIG.replace("run_name: peerd-moe-test", "run_name: peerd-private-test"))
+    config.write_text(MOE_CONFIG.replace("run_name: peerd-moe-test", "run_name: peerd-private-test"))
     with LocalSwarm(config, log_dir=tmp_path) as local_swarm:
         yield local_swarm
 
 
 def status(peer: PeerProcess) -> dict[str, Any]:
     return peer.status(timeout=10.0)
-
-
-def validations(peer: PeerProcess) -> list[tuple[int, float]]:
-    """The peer's validation losses (``/history``) as (step, loss), oldest first."""
-    return [(step, loss) for _, step, loss in peer.history(timeout=10.0)["validation_loss"]]
 
 
 def good_calls(peer: PeerProcess) -> int:
@@ -141,7 +135,7 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
             if stranger != dialer:  # the dialer got the state once, holding the secret
                 assert not any("Sent training state" in line and stranger in line for line in log.splitlines())
         report = seen["training"]
-        later = [loss for step, loss in validations(peer) if step > first_step[peer.peer_id]]
+        later = [loss for step, loss in validations(peer, timeout=10.0) if step > first_step[peer.peer_id]]
         assert math.isfinite(report["loss"]) and all(map(math.isfinite, later)), report
         assert min(later) < first_validation[peer.peer_id], (first_validation[peer.peer_id], later)
     for code in swarm.stop():

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.integration
 

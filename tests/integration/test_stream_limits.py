@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from hivemind.p2p import P2P
 
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError
 from peerd.wire.frames import read_frame, write_frame
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
+from tests.helpers import p2p_daemons
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -34,12 +34,7 @@ LOOSE = StreamLimits(handshake_timeout=2.0, max_streams_per_peer=1000, max_strea
 
 async def _with_peers(limits: StreamLimits, body: Callable[[StreamGuard, StreamGuard, StreamGuard], Awaitable[Any]]
                       ) -> Any:
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    others: list[P2P] = []
-    try:
-        maddrs = [str(m) for m in await server.get_visible_maddrs()]
-        for _ in range(2):
-            others.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+    async with p2p_daemons(3) as (server, *others):
         guard = StreamGuard(server, Membership(), limits)
 
         async def echo_size(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -50,9 +45,6 @@ async def _with_peers(limits: StreamLimits, body: Callable[[StreamGuard, StreamG
         await guard.add_handler(HANDLER, echo_size)
         attacker, honest = (StreamGuard(p, Membership(), StreamLimits()) for p in others)
         return await body(guard, attacker, honest)
-    finally:
-        for p2p in [*others, server]:
-            await p2p.shutdown()
 
 
 async def _flood(attacker: StreamGuard, target: str) -> list[asyncio.StreamWriter]:

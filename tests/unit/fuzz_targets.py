@@ -35,9 +35,10 @@ from peerd.averaging.matchmaking import _Groups, _Registration
 from peerd.averaging.requests import SpanView, check_request
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, MembershipError, ProtocolViolation, StateError
-from peerd.experts.backend import ExpertBackend
+from peerd.experts.calls import max_payload_bytes
 from peerd.experts.records import parse_expert_record
-from peerd.experts.requests import check_header, max_payload_bytes, oversized_payload
+from peerd.experts.server.backend import ExpertBackend
+from peerd.experts.server.headers import check_header, oversized_payload
 from peerd.proto import peerd_averaging_pb2 as apb
 from peerd.proto import peerd_experts_pb2 as epb
 from peerd.proto import peerd_membership_pb2 as mpb

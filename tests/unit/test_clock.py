@@ -15,13 +15,13 @@ from peerd.config import SwarmConfig, load_config
 from peerd.control.terminal import format_progress
 from peerd.errors import BootstrapError, ClockSkewError
 from peerd.metrics import StatusCollector
+from peerd.swarm import bootstrap
 from peerd.swarm.clock import MAX_CLOCK_OFFSET, clock_skew_error, ttl_margin_problems
-from peerd.swarm.node import SwarmNode
 from peerd.tables import format_status
 from peerd.training.health import STALL_ROUNDS, AveragingHealth
 from peerd.training.report import TrainingReport
 from peerd.wire.membership import Membership
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,18 +57,18 @@ def test_bootstrap_turns_the_refusal_into_a_clock_error_without_retrying(monkeyp
         calls.append(args)
         raise refusal(1_000_030.0, 1_000_000.0)
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(refuse))
+    monkeypatch.setattr(bootstrap, "start_dht", refuse)
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
     with pytest.raises(ClockSkewError, match=r"clock offset \+30\.0 s"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False))
+        asyncio.run(bootstrap.start_with_retries(config, Path("key"), True, Membership(), 0, False))
     assert len(calls) == 1
 
     async def unreachable(*args: Any) -> None:
         raise DHTValidationError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall")
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(unreachable))
+    monkeypatch.setattr(bootstrap, "start_dht", unreachable)
     with pytest.raises(BootstrapError, match="refused this one: Peer X can't access"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False))
+        asyncio.run(bootstrap.start_with_retries(config, Path("key"), True, Membership(), 0, False))
 
 
 def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,12 +81,12 @@ def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytes
             raise RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping.")
         return "dht"
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(busy_then_ready))
+    monkeypatch.setattr(bootstrap, "start_dht", busy_then_ready)
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
-    assert asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False)) == "dht"
+    assert asyncio.run(bootstrap.start_with_retries(config, Path("key"), True, Membership(), 0, False)) == "dht"
     attempts.clear()
     with pytest.raises(BootstrapError, match="after 2 attempts.*responded to a ping"):
-        asyncio.run(SwarmNode._start_with_retries(config.model_copy(update={"bootstrap_attempts": 2}), Path("key"),
+        asyncio.run(bootstrap.start_with_retries(config.model_copy(update={"bootstrap_attempts": 2}), Path("key"),
                                                   True, Membership(), 0, False))
 
 

@@ -12,13 +12,13 @@ import torch
 
 from peerd.config import ExpertsConfig, MoEConfig, TaskConfig
 from peerd.errors import ConfigError, ProtocolViolation
-from peerd.experts.backend import BackwardItem, ExpertBackend
-from peerd.experts.batching import wire_codec
-from peerd.experts.dispatch import gather_quorum
-from peerd.experts.layer import RemoteMoE
-from peerd.experts.modules import build_expert
+from peerd.experts.calls import wire_codec
+from peerd.experts.client.dispatch import gather_quorum
+from peerd.experts.client.layer import RemoteMoE
+from peerd.experts.client.router import load_balancing_loss, renormalize, route
 from peerd.experts.records import ExpertReader, ExpertRecord, parse_expert_record
-from peerd.experts.router import load_balancing_loss, renormalize, route
+from peerd.experts.server.backend import BackwardItem, ExpertBackend
+from peerd.experts.server.modules import build_expert
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 from tests.unit.expert_calls import run_calls

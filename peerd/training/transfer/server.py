@@ -90,8 +90,8 @@ class StateServer:
         try:
             await self._answer(reader, writer, peer)
             # The requester closes once it has read everything. Closing first, right after the last write, loses
-            # the tail inside p2pd: over QUIC every time, over TCP in 2 of ~500 transfers of the bench's p2pd
-            # row under load; a joiner would see truncated state.
+            # the tail inside p2pd (over QUIC every time, over TCP now and then under load): a joiner would see
+            # truncated state.
             await wait_for_close(reader, timeout=JOINER_READ_TIMEOUT, max_discard=1)
         except (ProtocolViolation, ConnectionError, OSError) as e:
             logger.info("State request from %s failed: %r", peer, e)
