@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.p2p import P2PDaemonError
@@ -29,13 +29,15 @@ from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.latency import LatencyWindow
-from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator, node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
+
+if TYPE_CHECKING:
+    from peerd.swarm.process import IsolatedDHT
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,9 @@ class SwarmNode:
         validators = [SignedRecordValidator(membership)]
         if in_process:
             return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
+        # here, not at the top: hivemind's DHT class imports torch, which a light peer never loads
+        from peerd.swarm.process import IsolatedDHT
+
         dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False, p2pd_flags=p2pd_flags,
                           record_validators=validators, **kwargs)
         dht.run_in_background(await_ready=False)
