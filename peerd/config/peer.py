@@ -100,8 +100,8 @@ class SwarmConfig(Section):
     request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
     dht_host: Literal["auto", "daemon", "child"] = Field(
         default="auto",
-        description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process and "
-        "~20 MiB fewer). child: in hivemind's own child process, whose answers to other peers never wait on "
+        description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process, and "
+        "torch is loaded only for training or experts). child: in hivemind's own child process, whose answers to other peers never wait on "
         "this daemon. auto: on the loop for a light peer (no training, no experts), else in the child.",
     )
     lookup_beam: int = Field(
