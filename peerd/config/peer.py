@@ -101,9 +101,9 @@ class SwarmConfig(Section):
     dht_host: Literal["auto", "daemon", "child"] = Field(
         default="auto",
         description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process fewer, and "
-        "no forked child copying the pages it shares with the daemon). child: in hivemind's own child process, "
-        "whose answers to other peers never wait on this daemon. auto: on the loop for a light peer (no "
-        "training, no experts), else in the child.",
+        "torch is loaded only for training or experts). child: in hivemind's own child process, whose answers to "
+        "other peers never wait on this daemon. auto: on the loop for a light peer (no training, no experts), "
+        "else in the child.",
     )
     lookup_beam: int = Field(
         default=10, ge=5, le=64,

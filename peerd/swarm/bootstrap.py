@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hivemind.dht.protocol import ValidationError as DHTValidationError
 from hivemind.p2p import P2PDaemonError
@@ -18,12 +18,14 @@ from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError
 from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.inprocess import InProcessDHT
-from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import p2pd_options
 from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
 
 __all__ = ["NO_DHT_CACHE", "short_error", "start_dht", "start_with_retries"]
+
+if TYPE_CHECKING:
+    from peerd.swarm.process import IsolatedDHT
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,9 @@ async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bo
     validators = [SignedRecordValidator(membership)]
     if in_process:
         return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
+    # here, not at the top: hivemind's DHT class imports torch, which a light peer never loads
+    from peerd.swarm.process import IsolatedDHT
+
     dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False, p2pd_flags=p2pd_flags,
                       record_validators=validators, **kwargs)
     dht.run_in_background(await_ready=False)

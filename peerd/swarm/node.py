@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -27,13 +27,15 @@ from peerd.swarm.bootstrap import short_error, start_with_retries
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.latency import LatencyWindow
-from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
+
+if TYPE_CHECKING:
+    from peerd.swarm.process import IsolatedDHT
 
 logger = logging.getLogger(__name__)
 

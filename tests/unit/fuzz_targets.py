@@ -577,6 +577,10 @@ STATE_FILE = Target(
 class _Writer:
     """Collects what a handshake writes; the fuzzer has already scripted everything the other side says."""
 
+    # write_frames asks the transport whether it is closing or full; this one keeps everything and is neither
+    transport = SimpleNamespace(is_closing=lambda: False, get_write_buffer_limits=lambda: (0, 0),
+                                get_write_buffer_size=lambda: 0)
+
     def __init__(self) -> None:
         self.data = bytearray()
 

@@ -196,6 +196,47 @@ def test_frames_beyond_a_peers_budget_end_its_stream() -> None:
     asyncio.run(body())
 
 
+def test_a_frame_writer_waits_while_the_other_side_reads_nothing() -> None:
+    """drain() holds the writer back on every loop, CPython 3.12's and 3.13's selector transport included
+    (whose writelines() alone never pauses the protocol before 3.12.9 and 3.13.2): frames sent to a peer that
+    reads nothing do not pile up in memory."""
+    async def body() -> None:
+        (reader, reading_end), (_, writer) = await _pair()
+        payload = bytes(8 << 20)
+        task = asyncio.create_task(write_frame(writer, payload))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            assert not done and writer.transport.get_write_buffer_size() > 0
+            assert len(await read_frame(reader, len(payload), ALICE, "payload")) == len(payload)
+            assert await task == 8 + len(payload)
+        finally:
+            writer.close()
+            reading_end.close()
+
+    asyncio.run(body())
+
+
+def test_a_frame_written_to_a_lost_stream_fails_and_later_streams_still_work() -> None:
+    """Both ends gone: the write raises like drain() does, and the socket that inherits the descriptor still
+    reads (CPython 3.12's writelines() on a lost connection could leave the closed one registered)."""
+    async def body() -> None:
+        (_, lost), (_, other_end) = await _pair()
+        other_end.transport.abort()
+        lost.transport.abort()
+        with pytest.raises(ConnectionResetError):
+            await write_frame(lost, b"late")
+        await asyncio.sleep(0)  # lets the loop close the lost socket, as it would before any next stream
+        (reader, reading_end), (_, writer) = await _pair()
+        try:
+            await write_frame(writer, b"next")
+            assert await asyncio.wait_for(read_frame(reader, 4, ALICE, "frame"), 5) == b"next"
+        finally:
+            writer.close()
+            reading_end.close()
+
+    asyncio.run(body())
+
+
 def _task() -> Any:
     return SimpleNamespace(model=torch.nn.Linear(4, 1))  # LocalModel reads only the model
 
