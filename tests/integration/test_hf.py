@@ -19,20 +19,18 @@ from peerd.config import TaskConfig
 from peerd.launcher import LocalSwarm, wait_for
 from peerd.tasks import build_task
 from tests.helpers import training, validations
-from tests.hf_models import TINY_LLAMA, make_model, make_tokenizer, sentences, write_jsonl, write_text
+from tests.hf_models import TINY_LLAMA, make_model, sentences, tokenizer_and_model, write_jsonl, write_text
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf-swarm")
-    tokenizer = make_tokenizer(root / "tokenizer")
-    lines = sentences(6000)
+    assets = tokenizer_and_model(tmp_path_factory.mktemp("hf-swarm"))
+    root, lines = assets["root"], sentences(6000)
     return {
-        "root": root, "tokenizer": tokenizer,
-        "model": make_model(root / "model", tokenizer=tokenizer),
-        "revised": make_model(root / "revised", seed=1, tokenizer=tokenizer),
+        **assets,
+        "revised": make_model(root / "revised", seed=1, tokenizer=assets["tokenizer"]),
         "text": write_text(root / "data" / "corpus.txt", lines),
         "jsonl": write_jsonl(root / "data" / "corpus.jsonl", lines),
     }

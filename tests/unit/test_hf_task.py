@@ -19,8 +19,8 @@ from peerd.training.local import LocalModel
 from tests.hf_models import (
     TINY_LLAMA,
     make_model,
-    make_tokenizer,
     sentences,
+    tokenizer_and_model,
     write_jsonl,
     write_parquet,
     write_text,
@@ -31,13 +31,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    tokenizer = make_tokenizer(root / "tokenizer")
-    lines = sentences(1200)
+    assets = tokenizer_and_model(tmp_path_factory.mktemp("hf"))
+    root, lines = assets["root"], sentences(1200)
     return {
-        "root": root,
-        "tokenizer": tokenizer,
-        "model": make_model(root / "model", tokenizer=tokenizer),
+        **assets,
         "text": write_text(root / "data" / "a.txt", lines[:600]),
         "text2": write_text(root / "data" / "b.txt", lines[600:]),
         "jsonl": write_jsonl(root / "data" / "c.jsonl", lines),
