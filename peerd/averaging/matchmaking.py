@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from peerd.averaging.group import Group
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
-from peerd.swarm.clock import MAX_CLOCK_OFFSET
+from peerd.swarm.clock import round_lifetime
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.records import PeerIdStr
 
@@ -106,8 +106,7 @@ class Matchmaker:
         me = self.swarm.peer_id
         limit = max(base, self.config.max_matchmaking_window)
         registered_at, started = self.clock(), time.monotonic()
-        # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
-        lifetime = limit + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET
+        lifetime = round_lifetime(self.config, base)
         await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
         window = self.window(base)  # after our own store, which the DHT's latency counts
         target = max(2, min(expected_peers, self.config.target_group_size * 64))

@@ -12,8 +12,6 @@ swarm node drops one whose ``peer_id`` is not its signer's before it gets here).
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -22,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from peerd.config import EXPERT_UID_PATTERN
 from peerd.errors import ProtocolViolation
+from peerd.log import RateLimitedLog
 from peerd.swarm.records import MAX_MADDRS, PeerIdStr
 
 __all__ = ["ExpertReader", "ExpertRecord", "SeenExpert", "experts_key", "parse_expert_record"]
@@ -90,7 +89,7 @@ class ExpertReader:
     """Validates what ``SwarmNode.read_entries(experts_key(run))`` returned; logs each bad uid once a minute."""
 
     def __init__(self, on_drop: Callable[[str, ProtocolViolation], None] | None = None) -> None:
-        self._dropped_logged_at: dict[str, float] = {}
+        self._log = RateLimitedLog(logger)
         self._on_drop = on_drop  # counts the drop where the swarm's other refused records are counted
 
     def parse(self, entries: dict[str, tuple[object, float]]) -> dict[str, SeenExpert]:
@@ -103,8 +102,5 @@ class ExpertReader:
                 if self._on_drop is not None:
                     self._on_drop("malformed", e)
                     continue
-                last = self._dropped_logged_at.get(subkey, -math.inf)
-                if time.monotonic() - last >= 60.0:
-                    self._dropped_logged_at[subkey] = time.monotonic()
-                    logger.warning("Dropping invalid expert record: %s", e)
+                self._log(subkey, logging.WARNING, "Dropping invalid expert record: %s", e)
         return seen

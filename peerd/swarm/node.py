@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -25,14 +24,15 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.config import SwarmConfig
 from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
-from peerd.swarm.clock import clock_skew_error
+from peerd.log import RateLimitedLog
+from peerd.swarm.clock import clock_skew_error, record_lifetimes
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.process import IsolatedDHT
 from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
 from peerd.swarm.records import PeerRecord, parse_record
-from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
+from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import SignedRecordValidator, node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
@@ -61,7 +61,8 @@ class SwarmNode:
     """
 
     def __init__(self, config: SwarmConfig, run_name: str, dht: IsolatedDHT | InProcessDHT, signer: RecordSigner,
-                 membership: Membership, reach: Reachability, ephemeral_dir: Path | None = None) -> None:
+                 membership: Membership, reach: Reachability, lifetimes: RecordLifetimes,
+                 ephemeral_dir: Path | None = None) -> None:
         self.config = config
         self.reach = reach
         self.run_name = run_name
@@ -69,10 +70,10 @@ class SwarmNode:
         self.peer_id = str(dht.peer_id)
         self.signer = signer
         self.membership = membership
-        self.verifier = RecordVerifier(membership)
+        self.verifier = RecordVerifier(membership, lifetimes)
         self._ephemeral_dir = ephemeral_dir
         self._last_expiration = 0.0
-        self._dropped_logged_at: dict[str, float] = {}
+        self._log_dropped = RateLimitedLog(logger)  # status requests read the DHT often: one line a minute per peer
         self.latency = LatencyWindow()  # of stores and reads: matchmaking sizes its window by it
 
     @property
@@ -81,16 +82,18 @@ class SwarmNode:
 
     @classmethod
     async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None,
-                     in_process: bool = False) -> SwarmNode:
+                     in_process: bool = False, lifetimes: RecordLifetimes | None = None) -> SwarmNode:
         """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done.
 
         ``in_process``: the DHT runs on this event loop (``inprocess.py``, for a light peer) rather than in
-        hivemind's child process.
+        hivemind's child process. ``lifetimes``: how far ahead values may expire, by key
+        (``clock.record_lifetimes`` of the whole config; default: of ``config`` and the other sections' defaults).
 
         Without ``swarm.identity_path`` the peer gets a fresh key in a private temporary directory (removed
         at shutdown): the daemon needs the key itself, to sign its records.
         """
         membership = membership or Membership()
+        lifetimes = lifetimes or record_lifetimes(run_name, config)
         ephemeral_dir = None
         identity_path = config.identity_path
         if identity_path is None:
@@ -106,7 +109,7 @@ class SwarmNode:
                 raise IdentityError(f"cannot read identity file {identity_path}: {e.strerror or e}",
                                     path=identity_path) from e
             metrics_port = config.relay.metrics_port or free_loopback_port()
-            dht = await cls._start_with_retries(config, identity_path, fresh, membership, metrics_port,
+            dht = await cls._start_with_retries(config, identity_path, fresh, membership, lifetimes, metrics_port,
                                                 in_process)
             if str(dht.peer_id) != signer.peer_id:
                 await dht.close()
@@ -115,17 +118,19 @@ class SwarmNode:
             if ephemeral_dir is not None:
                 shutil.rmtree(ephemeral_dir, ignore_errors=True)
             raise
-        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), ephemeral_dir)
+        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), lifetimes,
+                   ephemeral_dir)
 
     @classmethod
     async def _start_with_retries(cls, config: SwarmConfig, identity_path: Path, fresh_identity: bool,
-                                  membership: Membership, metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
+                                  membership: Membership, lifetimes: RecordLifetimes, metrics_port: int,
+                                  in_process: bool) -> IsolatedDHT | InProcessDHT:
         delay = config.bootstrap_retry_delay
         last_error: Exception | None = None
         for attempt in range(1, config.bootstrap_attempts + 1):
             try:
-                return await cls._start_dht(config, identity_path, fresh_identity, membership, metrics_port,
-                                            in_process)
+                return await cls._start_dht(config, identity_path, fresh_identity, membership, lifetimes,
+                                            metrics_port, in_process)
             except DHTValidationError as e:  # an initial peer answered but refused us: retrying cannot help
                 raise clock_skew_error(e, config.initial_peers) or BootstrapError(
                     f"an initial peer refused this one: {_short(e)}", addresses=list(config.initial_peers)) from e
@@ -151,7 +156,7 @@ class SwarmNode:
 
     @staticmethod
     async def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
-                         metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
+                         lifetimes: RecordLifetimes, metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
         relay_kwargs, p2pd_flags = p2pd_options(config, metrics_port)
         kwargs: dict[str, Any] = {
             **relay_kwargs,
@@ -166,7 +171,7 @@ class SwarmNode:
         }
         if config.announce_maddrs:
             kwargs["announce_maddrs"] = list(config.announce_maddrs)
-        validators = [SignedRecordValidator(membership)]
+        validators = [SignedRecordValidator(membership, lifetimes)]
         if in_process:
             return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
         dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False, p2pd_flags=p2pd_flags,
@@ -240,7 +245,8 @@ class SwarmNode:
             try:
                 opened = self.verifier.open(key_bytes, subkey, getattr(entry, "value", None), expiration)
             except ProtocolViolation as e:
-                self._log_dropped(str(e.context.get("peer_id", subkey)), e)
+                self._log_dropped(str(e.context.get("peer_id", subkey)), logging.WARNING,
+                                  "Dropping invalid record: %s", e)
                 continue
             entries[subkey] = (opened.payload, expiration)
         return entries
@@ -248,7 +254,8 @@ class SwarmNode:
     def drop(self, reason: str, error: ProtocolViolation) -> None:
         """Counts and logs a record a reader refused after its signature checked out (e.g. a bad payload)."""
         self.verifier.count(reason)
-        self._log_dropped(str(error.context.get("peer_id", "unknown")), error)
+        self._log_dropped(str(error.context.get("peer_id", "unknown")), logging.WARNING, "Dropping invalid record: %s",
+                          error)
 
     async def dropped_records(self) -> dict[str, int]:
         """Records refused, by reason: by this daemon's readers plus by its DHT node (stores and answers)."""
@@ -289,13 +296,6 @@ class SwarmNode:
         except (TimeoutError, OSError, RuntimeError) as e:
             logger.warning("Re-bootstrap did not finish: %s", _short(e))
             return 0
-
-    def _log_dropped(self, peer: str, error: ProtocolViolation) -> None:
-        # Status requests read the DHT often; one bad peer must not flood the log.
-        last = self._dropped_logged_at.get(peer, -math.inf)
-        if time.monotonic() - last >= 60.0:
-            self._dropped_logged_at[peer] = time.monotonic()
-            logger.warning("Dropping invalid record: %s", error)
 
     async def shutdown(self) -> None:
         started = time.monotonic()

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from hivemind.p2p import P2P, PeerID
 
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError, ProtocolViolation, RPCTimeout
+from peerd.log import RateLimitedLog
 from peerd.proto import peerd_membership_pb2 as pb
 from peerd.wire import handshake
 from peerd.wire.limits import PeerSlots, serving_budget
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # A protocol's handler: (stream info, reader, writer), as hivemind calls it, run after the handshake.
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-LOG_EVERY = 60.0
+REFUSED_PEERS = 1024  # the most recently refused peers status remembers (a stranger mints peer ids at will)
 
 
 class StreamGuard:
@@ -41,9 +41,9 @@ class StreamGuard:
         self.slots = PeerSlots(limits.max_streams_per_peer, limits.max_streams, limits.max_pending_bytes_per_peer,
                                limits.max_pending_bytes)
         self.refused: Counter[str] = Counter()  # inbound streams refused, by reason
-        self.refused_peers: dict[str, str] = {}  # peer id -> its last refusal, for status (bounded below)
+        self.refused_peers: OrderedDict[str, str] = OrderedDict()  # peer id -> its last refusal, newest last
         self.accepted = 0
-        self._logged: dict[tuple[str, str], float] = {}
+        self._log = RateLimitedLog(logger, size=4096)
 
     # --- serving ----------------------------------------------------------------------------------------------
 
@@ -97,14 +97,11 @@ class StreamGuard:
 
     def _refuse(self, peer: str, reason: str, message: str) -> None:
         self.refused[reason] += 1
-        if len(self.refused_peers) < 1024 or peer in self.refused_peers:
-            self.refused_peers[peer] = message[:300]
-        now = time.monotonic()
-        if now - self._logged.get((peer, reason), -LOG_EVERY) >= LOG_EVERY:
-            if len(self._logged) > 4096:
-                self._logged.clear()
-            self._logged[(peer, reason)] = now
-            logger.warning("Refused a stream from %s: %s", peer, message)
+        self.refused_peers[peer] = message[:300]
+        self.refused_peers.move_to_end(peer)
+        while len(self.refused_peers) > REFUSED_PEERS:
+            self.refused_peers.popitem(last=False)
+        self._log((peer, reason), logging.WARNING, "Refused a stream from %s: %s", peer, message)
 
     # --- opening ----------------------------------------------------------------------------------------------
 

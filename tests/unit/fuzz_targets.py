@@ -43,7 +43,7 @@ from peerd.proto import peerd_experts_pb2 as epb
 from peerd.proto import peerd_membership_pb2 as mpb
 from peerd.proto import peerd_training_pb2 as tpb
 from peerd.swarm.records import parse_record
-from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
+from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
 from peerd.training.checkpoint import load_state, save_state
 from peerd.training.download import StateDownloader
 from peerd.training.manifest import byte_view, check_against_template, check_manifest, chunks, encode_manifest
@@ -635,7 +635,7 @@ json_values = st.recursive(
     max_leaves=8,
 )
 SIGNERS = [RecordSigner(_identity(), membership) for membership in MEMBERSHIPS[:2]]
-VERIFIERS = [RecordVerifier(membership) for membership in MEMBERSHIPS]
+VERIFIERS = [RecordVerifier(membership, RecordLifetimes(default=2.0**41), clock=lambda: 0.0) for membership in MEMBERSHIPS]
 RECORD_KEY = "peerd-fuzz.peers"
 KEY_ID = key_id(RECORD_KEY)
 
