@@ -9,6 +9,7 @@ against this, and asserts that the damage shows only here.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 
 from peerd.cli import main
-from peerd.swarm import signing
+from peerd.swarm import sealing, signing
 from peerd.wire.guard import StreamGuard
 
 
@@ -43,6 +44,16 @@ def _verify_first() -> None:
     signing.RecordVerifier._check = check  # type: ignore[method-assign]
 
 
+def _no_expiration_cap() -> None:
+    """Believe any expiration a record is signed with."""
+    signing.RecordLifetimes.cap = lambda self, key_id_bytes: math.inf  # type: ignore[method-assign]
+
+
+def _no_seal() -> None:
+    """Store payloads as plain JSON, readable by anyone who asks the DHT."""
+    sealing.PayloadSeal.__init__ = lambda self, secret: setattr(self, "_master", None)  # type: ignore[method-assign]
+
+
 def _one_pool() -> None:
     """Every stream takes a member's slot before its handshake and holds it for the handshake's whole timeout."""
     StreamGuard.known = lambda self, peer: True  # type: ignore[method-assign]
@@ -52,6 +63,8 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "key-check": _any_key,
     "tag-first": _verify_first,
     "stream-pools": _one_pool,
+    "expiration-cap": _no_expiration_cap,
+    "sealing": _no_seal,
 }
 
 
