@@ -10,8 +10,10 @@ re-storing an old signed value with a far-future expiration to freeze its publis
 A value is accepted only if every check passes, cheapest first, so that a stranger's junk costs a hash and
 an HMAC, never an RSA verification with parameters of its choosing:
 
-1. its fields have the right types and sizes;
-2. a subkey naming a peer (``<peer id>`` or ``<name>:<peer id>``) names its signer;
+1. its fields have the right types and sizes (``MAX_PAYLOAD`` keeps a key's dictionary, one value per
+   signer, far below hivemind's 4 MiB message limit: it takes ``MAX_SIGNERS_PER_KEY`` signers to reach it);
+2. its subkey is its signer's peer id: one value per signer per key, so no member owns a subkey named after
+   something else (an expert's uid) or fills a key with many;
 3. its expiration is the one signed and lies at most the key's TTL plus the DHT's clock tolerance ahead
    (``RecordLifetimes``): a record cannot outlive its author by more than one TTL;
 4. in a private swarm, its member tag (HMAC under the secret, binding the signer) and the allowlist;
@@ -55,15 +57,18 @@ from peerd.wire.membership import Membership
 __all__ = ["DROP_REASONS", "MAX_PAYLOAD", "RecordLifetimes", "RecordSigner", "RecordVerifier", "key_id",
            "peer_id_of"]
 
-DROP_REASONS = ("malformed", "expiration_mismatch", "expiration_too_far", "wrong_signer",
+DROP_REASONS = ("malformed", "foreign_subkey", "expiration_mismatch", "expiration_too_far", "wrong_signer",
                 "not_member", "bad_key", "bad_signature")
 _LABEL = b"peerd.v1.record"
 _TAG_LABEL = b"peerd.v1.record-member"
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
-MAX_PAYLOAD = 64 * 1024  # of "p" as stored (sealed or not)
+MAX_PAYLOAD = 32 * 1024  # of "p" as stored (sealed or not)
 MAX_PUBLIC_KEY = 1024
 MAX_SIGNATURE = 512
+# hivemind answers a lookup with a key's whole dictionary in one message of at most 4 MiB: this many values of
+# the largest size fit (envelope and msgpack framing included)
+MAX_SIGNERS_PER_KEY = (4 * 2**20) // (MAX_PAYLOAD + MAX_PUBLIC_KEY + MAX_SIGNATURE + 256)
 RSA_EXPONENT = 65537
 MAX_MODULUS_BITS = 4096
 CACHE_SIZE = 8192
@@ -86,9 +91,9 @@ def _message(key_id_bytes: bytes, subkey: str, payload: bytes, expiration: float
     return b"".join(len(part).to_bytes(4, "big") + part for part in parts)
 
 
-def _subkey_owner(subkey: str) -> str | None:
-    name = subkey.rsplit(":", 1)[-1]
-    return name if _PEER_ID.fullmatch(name) else None
+def subkey_owner(subkey: str) -> str | None:
+    """The peer a subkey belongs to (who alone may sign a value under it): the peer id it is, or None."""
+    return subkey if _PEER_ID.fullmatch(subkey) else None
 
 
 def _associated(key_id_bytes: bytes, subkey: str) -> bytes:
@@ -183,18 +188,20 @@ class RecordVerifier:
     def _open(self, key_id_bytes: bytes, subkey: str, value: object, expiration: float) -> Opened:
         data, public_key, signature, tag, signed_expiration = _fields(subkey, value)
         where = f"value under {subkey[:140]!r}"
-        claimed = _subkey_owner(subkey)
+        owner = subkey_owner(subkey)
+        if owner is None:
+            raise _reject("foreign_subkey", f"{where}: a subkey must be its signer's peer id", None)
         if signed_expiration != expiration:
             raise _reject("expiration_mismatch", f"{where} stored with expiration {expiration}, signed for "
-                          f"{signed_expiration}", claimed)
+                          f"{signed_expiration}", subkey)
         ahead, cap = expiration - self.clock(), self.lifetimes.cap(key_id_bytes)
         if ahead > cap:
             raise _reject("expiration_too_far", f"{where} expires in {ahead:.0f} s, more than the {cap:g} s "
                           "this peer allows for its key (the key's TTL plus the DHT's clock tolerance; peers of "
-                          "a swarm must agree on their TTLs)", claimed)
+                          "a swarm must agree on their TTLs)", subkey)
         signer = peer_id_of(public_key)
-        if claimed not in (None, signer):
-            raise _reject("wrong_signer", f"{where} is signed by {signer}, not the peer its subkey names", claimed)
+        if signer != owner:
+            raise _reject("wrong_signer", f"{where} is signed by {signer}, not the peer its subkey names", subkey)
         message = _message(key_id_bytes, subkey, data, expiration)
         digest = hashlib.sha256(message + public_key + signature + tag).digest()
         with self._lock:

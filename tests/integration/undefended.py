@@ -17,7 +17,9 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 
+from peerd.averaging import aggregation, matchmaking
 from peerd.cli import main
+from peerd.experts import directory
 from peerd.swarm import sealing, signing
 from peerd.wire.guard import StreamGuard
 
@@ -54,6 +56,38 @@ def _no_seal() -> None:
     sealing.PayloadSeal.__init__ = lambda self, secret: setattr(self, "_master", None)  # type: ignore[method-assign]
 
 
+def _old_subkeys() -> None:
+    """Any subkey ending in ``:<peer id>`` (or a peer id) is that peer's, and payloads may take 64 KiB."""
+    signing.subkey_owner = lambda subkey: (
+        subkey.rsplit(":", 1)[-1] if signing._PEER_ID.fullmatch(subkey.rsplit(":", 1)[-1]) else None)
+    signing.MAX_PAYLOAD = 64 * 1024
+
+
+def _latest_expert_claim() -> None:
+    """Route each uid to whichever host's record of it expires last (what the DHT kept when a uid was a subkey)."""
+    def latest(claims: dict[str, list[Any]], previous: dict[str, Any], now: float) -> Any:
+        return {uid: max(offers, key=lambda seen: seen.expires_at) for uid, offers in claims.items()}, {}
+
+    directory.bind = latest  # type: ignore[attr-defined]
+
+
+def _no_registration_checks() -> None:
+    """Believe every registration time, and wait for the earliest registrant's decision, whatever it takes."""
+    matchmaking.CLOCK_SPREAD = math.inf
+    matchmaking.MAX_FALLBACKS = 0
+    matchmaking.Matchmaker._skipping = lambda self, peer: False  # type: ignore[method-assign]
+
+
+def _copies_count() -> None:
+    """Count every row as a member of its own, identical or not."""
+    aggregation.distinct = lambda rows, gram: list(range(rows.shape[0]))
+
+
+def _capped_mean_of_pairs() -> None:
+    """Average a group of 2 with capped weights only, whatever each row's norm."""
+    aggregation.equalized_mean = lambda rows, weights, out, gram: aggregation.weighted_mean(rows, weights, out)
+
+
 def _one_pool() -> None:
     """Every stream takes a member's slot before its handshake and holds it for the handshake's whole timeout."""
     StreamGuard.known = lambda self, peer: True  # type: ignore[method-assign]
@@ -65,6 +99,11 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "stream-pools": _one_pool,
     "expiration-cap": _no_expiration_cap,
     "sealing": _no_seal,
+    "one-subkey": _old_subkeys,
+    "expert-binding": _latest_expert_claim,
+    "registration-checks": _no_registration_checks,
+    "identical-rows": _copies_count,
+    "pair-norms": _capped_mean_of_pairs,
 }
 
 

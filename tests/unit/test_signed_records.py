@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.proto import crypto_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peerd.averaging.matchmaking import GROUPS_PREFIX, Matchmaker
+from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.log import RateLimitedLog
@@ -105,12 +106,23 @@ def test_wrong_signer_is_refused_and_counted(keys: dict[str, bytes]) -> None:
     assert refused(check, a.peer_id, c.envelope(KEY, a.peer_id, payload(a.peer_id), EXPIRATION)) == "wrong_signer"
     # ... or describes itself but stores it under a's subkey (to displace a's record)
     assert refused(check, a.peer_id, c.envelope(KEY, a.peer_id, payload(c.peer_id), EXPIRATION)) == "wrong_signer"
-    # ... or a groups decision under another leader's subkey
-    subkey = GROUPS_PREFIX + a.peer_id
-    assert refused(check, subkey, c.envelope(KEY, subkey, payload(c.peer_id), EXPIRATION)) == "wrong_signer"
     # ... or signs, under its own subkey, a payload that describes a
     assert refused(check, c.peer_id, c.envelope(KEY, c.peer_id, payload(a.peer_id), EXPIRATION)) == "wrong_signer"
-    assert check.counts()["wrong_signer"] == 4
+    assert check.counts()["wrong_signer"] == 3
+
+
+def test_one_subkey_per_signer_per_key(keys: dict[str, bytes]) -> None:
+    """A subkey is its signer's peer id and nothing else: no member owns a subkey named after something else
+    (an expert's uid, another leader's decision) or fills a key with many values of its own."""
+    a = signer(keys, "a")
+    check = verifier()
+    for subkey in ("ffn.0.3", f"groups:{a.peer_id}", f"-{a.peer_id}", f"{a.peer_id}:2", ""):
+        assert refused(check, subkey, a.envelope(KEY, subkey, payload(a.peer_id), EXPIRATION)) == "foreign_subkey"
+    assert check.counts()["foreign_subkey"] == 5
+    # so a key's dictionary, one value per signer of at most MAX_PAYLOAD, stays far below hivemind's 4 MiB
+    assert signing.MAX_SIGNERS_PER_KEY >= 100
+    with pytest.raises(ProtocolViolation, match="more than"):
+        a.envelope(KEY, a.peer_id, payload(a.peer_id, pad="x" * signing.MAX_PAYLOAD), EXPIRATION)
 
 
 def test_bad_signatures_are_refused_and_counted(keys: dict[str, bytes]) -> None:
@@ -301,23 +313,20 @@ class _FakeSwarm:
         self.dropped.append(reason)
 
 
-def test_matchmaking_takes_groups_only_from_the_computed_leader(keys: dict[str, bytes]) -> None:
+def test_matchmaking_takes_groups_only_from_a_registrant(keys: dict[str, bytes]) -> None:
     a, b, c = (signer(keys, name).peer_id for name in "abc")
-    t0 = 1_000.0  # DHT times long past: the leader's window is over
+    t0 = time.time() - 5.0  # the leader's window is over
     entries: dict[str, object] = {
-        a: {"peer_id": a, "t": t0}, b: {"peer_id": b, "t": t0 + 0.5},
-        # c registered nothing; its decision (validly signed by c) must not count
-        GROUPS_PREFIX + c: {"peer_id": c, "groups": [[b, c]]},
-        GROUPS_PREFIX + a: {"peer_id": a, "groups": [sorted([a, b])]},
-        "junk": {"peer_id": c},
+        a: {"peer_id": a, "t": t0, "groups": [sorted([a, b])]}, b: {"peer_id": b, "t": t0 + 0.5},
         c + "x": {"nonsense": True},
     }
     config = AveragingConfig(matchmaking_window=0.5, max_matchmaking_window=0.5, join_timeout=1.0, min_group_size=2)
     swarm = _FakeSwarm(b, entries)
     group = asyncio.run(Matchmaker(swarm, config).form_group("run.round", 2))  # type: ignore[arg-type]
     assert set(group.members) == {a, b}
-    assert swarm.dropped == ["malformed"]  # c + "x": a peer-id-like subkey without a registration
-    # without a's decision, b waits for its leader rather than taking c's
-    del entries[GROUPS_PREFIX + a]
-    with pytest.raises(GroupFailed, match="leader"):
+    assert swarm.dropped == ["malformed"]  # c + "x": an entry without a registration
+    # without a's decision, b waits for its leader until a's deadline, then leads itself, leaving a out
+    entries[a] = {"peer_id": a, "t": t0}
+    with pytest.raises(GroupFailed, match="1 member"):
         asyncio.run(Matchmaker(swarm, config).form_group("run.round", 2))  # type: ignore[arg-type]
+    assert entries[b]["groups"] == [[b]]  # type: ignore[index]
