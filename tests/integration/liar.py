@@ -47,12 +47,24 @@ HAUNT_AHEAD = 3  # gradient rounds ahead of the furthest trainer it registers fo
 HAUNT_LIFETIME = 40.0  # within what readers allow for a round key's entries (configs/synthetic.yaml: 43 + 3 s)
 
 
-def _haunt_rounds(when: Callable[[float], float]) -> None:
+def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
     """Registers, at time ``when(its clock)``, for every gradient round the trainers are at or will be at soon
     (it reads their progress records), and never decides: what a member that wants to lead every round and
-    stall it does. Its own matchmaking publishes no decision either."""
+    stall it does. Its own matchmaking publishes no decision either. ``pairs``: once two others registered for
+    a round, it decides after all: each of them in a group of two with itself."""
     honest = node.SwarmNode.store
     haunting: list[asyncio.Task[None]] = []
+
+    async def pair_up(swarm: node.SwarmNode, key: str, t: float) -> None:
+        for _ in range(100):  # for 10 s at most
+            await asyncio.sleep(0.1)  # polling the round's registrations, as matchmaking does
+            with contextlib.suppress(PeerdError):
+                others = sorted(set(await swarm.read_subkeys(key)) - {swarm.peer_id})
+                if len(others) >= 2:
+                    groups = [sorted([swarm.peer_id, other]) for other in others]
+                    await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": t, "groups": groups},
+                                 node.now() + HAUNT_LIFETIME)
+                    return
 
     async def haunt(swarm: node.SwarmNode) -> None:
         registered: set[str] = set()
@@ -71,9 +83,12 @@ def _haunt_rounds(when: Callable[[float], float]) -> None:
                 key = f"{progress_key.removesuffix('.progress')}.{fingerprint}.grad.{step + ahead}"
                 if key not in registered:
                     registered.add(key)
+                    t = when(node.now())
                     with contextlib.suppress(PeerdError):
-                        await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": when(node.now())},
+                        await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": t},
                                      node.now() + HAUNT_LIFETIME)
+                    if pairs:
+                        asyncio.ensure_future(pair_up(swarm, key, t))
 
     async def store(self: node.SwarmNode, key: str, subkey: str, payload: dict[str, Any], expiration: float) -> bool:
         if not haunting:
@@ -130,7 +145,14 @@ async def flood(maddr: str, key: str, secret: Path, identity: Path) -> None:
         print(f"flooded {len(peers)} nodes: {stored} values stored", file=sys.stderr, flush=True)
 
 
+def _pairs() -> None:
+    """Registers for every round 5 s early (the leader) and decides each other registrant into a group of two
+    with itself: groups that name it several times."""
+    _haunt_rounds(lambda t: t - 5.0, pairs=True)
+
+
 LIES: dict[str, Callable[[], None]] = {
+    "pairs": _pairs,
     "expirations": _far_expirations,
     "time-zero": _time_zero,
     "first-and-silent": _first_and_silent,

@@ -70,32 +70,46 @@ def training(peer: PeerProcess) -> dict[str, Any]:
 STEPS = 6
 
 
-def silent_leader(log_dir: Path, lie: str, undefended: bool) -> list[dict[str, Any]]:
+def silent_leader(log_dir: Path, lie: str, undefended: str | None) -> list[dict[str, Any]]:
     """Two honest trainers and the liar, all three waiting for each other before their first step; returns the
     honest trainers' reports once both took STEPS steps."""
     with private(SYNTHETIC, log_dir, "-o", "training.wait_for_peers=3") as swarm:
-        first = honest_peer(swarm, "honest0", "registration-checks" if undefended else None)
+        first = honest_peer(swarm, "honest0", undefended)
         first.wait_ready(90)
-        peers = [first, honest_peer(swarm, "honest1", "registration-checks" if undefended else None),
+        peers = [first, honest_peer(swarm, "honest1", undefended),
                  spawn(swarm, "liar", "tests.integration.liar", ("--lie", lie))]
         for peer in peers:
             peer.wait_ready(90)
         honest = peers[:2]
         reports = wait_for(lambda: [training(p) for p in honest] if all(training(p)["step"] >= STEPS for p in honest)
                            else None, 300, f"the honest trainers to take {STEPS} steps", 1.0)
+        for report, peer in zip(reports, honest, strict=True):
+            report["refused"] = {k: v for k, v in peer.status(timeout=30)["records_dropped"].items() if v}
         print(f"{lie} undefended={undefended}: rounds averaged {[r['rounds_ok'] for r in reports]}, solo "
-              f"{[r['rounds_solo'] for r in reports]}, refused {[p.status()['records_dropped'] for p in honest]}")
+              f"{[r['rounds_solo'] for r in reports]}, refused {[r['refused'] for r in reports]}")
         return reports
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("lie", ["time-zero", "first-and-silent"])
 def test_a_leader_that_never_decides_stalls_no_round_for_long(lie: str, tmp_path: Path) -> None:
-    defended = silent_leader(tmp_path / "defended", lie, undefended=False)
+    defended = silent_leader(tmp_path / "defended", lie, undefended=None)
     # the silent early leader costs one round its deadline; time 0 costs nothing
     assert all(r["rounds_ok"] >= STEPS - 2 for r in defended), defended
-    undefended = silent_leader(tmp_path / "undefended", lie, undefended=True)
+    undefended = silent_leader(tmp_path / "undefended", lie, undefended="registration-checks")
     # believed, it leads every round it registered for in time, and each of those times out
+    assert all(r["rounds_ok"] <= STEPS // 2 for r in undefended), undefended
+
+
+@pytest.mark.timeout(900)
+def test_a_leader_cannot_pair_every_peer_with_itself(tmp_path: Path) -> None:
+    """The liar leads (5 s early) and decides each honest trainer into a group of two with itself. Refused (it
+    names itself twice), it is skipped and the honest trainers average together; taken, each honest trainer
+    waits for a partner that never comes, every round."""
+    defended = silent_leader(tmp_path / "defended", "pairs", undefended=None)
+    assert all(r["rounds_ok"] >= STEPS - 2 for r in defended), defended
+    assert all(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
+    undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks")
     assert all(r["rounds_ok"] <= STEPS // 2 for r in undefended), undefended
 
 

@@ -78,6 +78,11 @@ def _no_registration_checks() -> None:
     matchmaking.Matchmaker._skipping = lambda self, peer: False  # type: ignore[method-assign]
 
 
+def _any_decision() -> None:
+    """Take the earliest registered leader's groups, whatever they are (their shape is checked by pydantic)."""
+    matchmaking.decision_problem = lambda groups, times, target, minimum: None
+
+
 def _copies_count() -> None:
     """Count every row as a member of its own, identical or not."""
     aggregation.distinct = lambda rows, gram: list(range(rows.shape[0]))
@@ -102,6 +107,7 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "one-subkey": _old_subkeys,
     "expert-binding": _latest_expert_claim,
     "registration-checks": _no_registration_checks,
+    "decision-checks": _any_decision,
     "identical-rows": _copies_count,
     "pair-norms": _capped_mean_of_pairs,
 }
