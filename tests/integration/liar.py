@@ -56,7 +56,7 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
     haunting: list[asyncio.Task[None]] = []
 
     async def pair_up(swarm: node.SwarmNode, key: str, t: float) -> None:
-        for _ in range(100):  # for 10 s at most
+        for _ in range(600):  # for 60 s at most
             await asyncio.sleep(0.1)  # polling the round's registrations, as matchmaking does
             with contextlib.suppress(PeerdError):
                 others = sorted(set(await swarm.read_subkeys(key)) - {swarm.peer_id})
@@ -97,6 +97,8 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
             return True
         if "t" in payload:
             payload = {**payload, "t": when(payload["t"])}
+            if pairs:
+                asyncio.ensure_future(pair_up(self, key, payload["t"]))
         return await honest(self, key, subkey, payload, expiration)
 
     node.SwarmNode.store = store  # type: ignore[method-assign]
