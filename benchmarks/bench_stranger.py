@@ -12,7 +12,9 @@ Two members train configs/synthetic.yaml in a private swarm. The run is a sequen
   quiet     no attacker again
 
 and prints each phase's rounds per minute (averaging rounds both members completed, from their status),
-with the load average. Then, as the cost the defences avoid, it times one such store request to a
+the members' own CPU use (their process trees) and the load average. The attackers run on the same machine:
+on 2 cores what they burn themselves (a fresh 3,072-bit key per request, 16 p2pd daemons per member) slows
+the members too, which the members' CPU use tells apart. Then, as the cost the defences avoid, it times one such store request to a
 light peer running peerd and to one with the key check and the member tag's order switched off
 (tests/integration/undefended.py): how long the peer's loop is held.
 
@@ -30,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from peerd.averaging.allreduce import HANDLER_NAME
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
@@ -81,12 +85,30 @@ def rounds(peers: list[PeerProcess]) -> int:
     return min(int(p.status(timeout=60)["training"]["rounds_ok"]) for p in peers)
 
 
+def cpu_seconds(peers: list[PeerProcess]) -> float:
+    """CPU time used so far by the members' process trees (daemon, DHT child, p2pd)."""
+    total = 0.0
+    for peer in peers:
+        for pid in peer.alive_tree():
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+    return total
+
+
 def phase(name: str, peers: list[PeerProcess], seconds: float) -> float:
-    start, started = rounds(peers), time.monotonic()
+    """Rounds per minute over one phase; also the members' own CPU use meanwhile (attackers run on the same
+    machine, so the load and the rate include what the attack costs the attacker)."""
+    start, started, cpu = rounds(peers), time.monotonic(), cpu_seconds(peers)
     load = os.getloadavg()[0]
     wait_for(lambda: time.monotonic() - started >= seconds, seconds + 5, f"the {name} phase", 1.0)
-    rate = (rounds(peers) - start) / (time.monotonic() - started) * 60
-    print(f"{name:6s} {rate:7.1f} rounds/min   (load {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+    elapsed = time.monotonic() - started
+    rate = (rounds(peers) - start) / elapsed * 60
+    used = (cpu_seconds(peers) - cpu) / elapsed
+    print(f"{name:6s} {rate:7.1f} rounds/min   members' CPU {used:4.2f} cores   (load {load:.1f} -> "
+          f"{os.getloadavg()[0]:.1f})", flush=True)
     return rate
 
 
@@ -98,6 +120,8 @@ def members_under_attack(seconds: float, identities: int, streams: int, nbytes: 
     with LocalSwarm(SYNTHETIC, log_dir=log_dir, extra_args=args) as swarm:
         swarm.start(2, timeout=120)
         members = swarm.peers
+        for member in members:
+            member.remember_tree()
         wait_for(lambda: rounds(members) >= 5, 120, "the members to average 5 rounds", 1.0)
         maddrs = [m.ready["maddrs"][0] for m in members]
         print(f"2 members, configs/synthetic.yaml, private swarm; attackers: cpu = {nbytes / MiB:g} MiB store "

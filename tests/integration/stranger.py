@@ -90,8 +90,8 @@ async def slots(maddr: str, identities: int, streams: int, protocol: str) -> Non
                 await asyncio.sleep(0.05)
                 continue
             held.append(writer)
-            await reader.read()  # returns once the target closed it
-            held.remove(writer)
+            await reader.read()  # the target's first answer (a refusal) or EOF: open another at once, and
+            held.remove(writer)  # leave this one to the target to close
 
     tasks = [asyncio.ensure_future(hold(node)) for node in nodes for _ in range(streams)]
     deadline = time.monotonic() + 60
