@@ -25,7 +25,7 @@ from peerd.control.terminal import TerminalProgress
 from peerd.errors import DaemonError, PeerdError
 from peerd.startup import StopStack, check_paths, start_expert_server, start_trainer
 from peerd.status import peer_record, ready_line, status_document
-from peerd.swarm.clock import ttl_margin_problems
+from peerd.swarm.clock import record_lifetimes, ttl_margin_problems
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.presence import Presence
 from peerd.swarm.records import PeerRecord, PeerState
@@ -74,8 +74,10 @@ class Daemon:
             logger.info("Membership: %s; only members are served", self.membership.describe())
         for problem in ttl_margin_problems(self.config):
             logger.warning("%s", problem)
-        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership,
-                                            in_process=self.config.dht_in_process)
+        config = self.config
+        lifetimes = record_lifetimes(config.run_name, config.swarm, config.averaging, config.training, config.experts)
+        self.swarm = await SwarmNode.create(config.swarm, config.run_name, self.membership,
+                                            in_process=config.dht_in_process, lifetimes=lifetimes)
         self._stops.push("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
         self.presence = Presence(self.swarm, self.config.swarm, self.record)

@@ -5,6 +5,7 @@ Test modules import from here, never from each other or from conftest.py (which 
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -156,3 +157,46 @@ def model_in_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """The model's state_dict entries in a peerd checkpoint file (its ``model/<key>`` tensors)."""
     tensors = torch.load(path, weights_only=True)["tensors"]
     return {name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")}
+
+
+EXPERTS_TTL = 6.0  # generous: on a loaded 2-core machine a DHT read can take seconds
+
+
+def host_args(first_index: int) -> list[str]:
+    """Flags of a peer that only hosts 2 of MOE_CONFIG's experts, from ``first_index`` on."""
+    experts = experts_option(2, first_index, EXPERTS_TTL)
+    return ["-o", "training.enabled=false", "-o", f"experts={experts}", "-o", "swarm.roles=[expert_host]"]
+
+
+def experts(peer: PeerProcess) -> dict[str, Any]:
+    section = peer.status()["experts"]
+    assert section is not None
+    return section
+
+
+def called(trainer: PeerProcess, uid: str) -> dict[str, Any]:
+    client = experts(trainer)["client"] or {"experts": {}}
+    return dict(client["experts"].get(uid, {}))
+
+
+def calls_to(trainer: PeerProcess, uid: str) -> int:
+    """Forward calls ``trainer`` made to expert ``uid`` that did not fail."""
+    info = called(trainer, uid)
+    return int(info.get("forward", {}).get("calls", 0)) - int(info.get("forward", {}).get("errors", 0))
+
+
+# Robust averaging against an attacker on the synthetic task. Per step the clipped attacker still pulls the
+# result by up to tau (the honest members' spread) times its weight share, so it slows training rather than
+# stopping it; with configs/synthetic.yaml's lr 0.1 and 32 samples per peer, 30 steps do not reach the
+# attack-free loss, with 64 samples (less spread) and lr 0.2 they do.
+SYNTHETIC = REPO / "configs" / "synthetic.yaml"
+SHARE = 64
+LR = 0.2
+
+
+def validation_loss(report: dict[str, Any]) -> float | None:
+    """None before the first validation; inf for a non-finite loss (the status endpoint sends those as null)."""
+    if report["validation_step"] is None:
+        return None
+    loss = report["validation_loss"]
+    return math.inf if loss is None or not math.isfinite(loss) else float(loss)

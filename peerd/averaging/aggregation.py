@@ -16,8 +16,16 @@ rank order, so its result does not depend on arrival order. Two defences act tog
 - ``trimmed_mean``: per coordinate, drop the ``ceil(n / 4)`` smallest and largest values, average the rest
   (unweighted: any weighting would let a heavy claim back in).
 
-With fewer than 3 members there is no majority to trust, so robust rules fall back to the mean of the
-(capped) weights; callers report that.
+Two degenerate cases would hand the result to one side, so robust rules treat them first:
+
+- Identical rows. Members' gradients from different data never coincide exactly; identical rows are copies
+  (sybils of one attacker). Half a group's rows identical make CenteredClip's radius 0 (the median distance
+  from them), and their row wins outright. Each set of identical rows counts as one member, with one weight:
+  the copies are reported as left out (kept 0).
+- Fewer than 3 distinct rows (a group of 2): there is no majority to trust. Each row is scaled down to the
+  smaller norm of the two before the mean of the capped weights, so neither side can outweigh the other: a
+  member sending -1000x its gradient can cancel its partner's step, not reverse or blow it up. Callers
+  report the rule used.
 """
 
 from __future__ import annotations
@@ -52,21 +60,23 @@ def weighted_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) -
     return Combined([1.0] * len(weights), weights)
 
 
-def _medoid(rows: torch.Tensor) -> int:
-    """The member whose median distance to the others is smallest: an honest member while most are."""
-    gram = (rows @ rows.t()).double()
+def _medoid(gram: torch.Tensor) -> int:
+    """The member whose median distance to the others is smallest (``gram``: the rows' Gram matrix): an honest
+    member while most are."""
     norms = gram.diagonal()
     distances = (norms[:, None] + norms[None, :] - 2 * gram).clamp_min(0).sqrt()
-    n = rows.shape[0]
+    n = gram.shape[0]
     others = [sorted(float(d) for j, d in enumerate(distances[i]) if j != i) for i in range(n)]
     medians = [row[(len(row) - 1) // 2] for row in others]
     return min(range(n), key=lambda i: (medians[i], i))
 
 
 def centered_clip(
-    rows: torch.Tensor, weights: list[float], out: torch.Tensor, radius: float, iterations: int
+    rows: torch.Tensor, weights: list[float], out: torch.Tensor, radius: float, iterations: int,
+    gram: torch.Tensor | None = None,
 ) -> Combined:
-    """Writes the CenteredClip aggregate of ``rows`` (members x numel; overwritten) into ``out``.
+    """Writes the CenteredClip aggregate of ``rows`` (members x numel; overwritten) into ``out``; ``gram``: the
+    rows' Gram matrix, if already computed.
 
     The iterate stays in the span of the rows, ``v = x_m + sum_j c_j (x_j - x_m)`` around the medoid ``x_m``,
     so every distance comes from one members x members Gram matrix of the differences and the chunk is
@@ -78,7 +88,7 @@ def centered_clip(
     clipping alone still lets it pull by the radius times its weight share, every round.
     """
     n = rows.shape[0]
-    medoid = _medoid(rows)
+    medoid = _medoid((rows @ rows.t()).double() if gram is None else gram)
     out.copy_(rows[medoid])
     rows.sub_(out)  # rows[i] = x_i - x_m
     gram = (rows @ rows.t()).double()
@@ -140,16 +150,55 @@ def trimmed_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) ->
     return Combined([float(c) / numel for c in kept_counts], weights)
 
 
+def equalized_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor, gram: torch.Tensor) -> Combined:
+    """The weighted mean of ``rows`` each scaled down to the smallest row norm (``gram``: their Gram matrix)."""
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    scales = torch.clamp(norms.min() / norms.clamp_min(1e-300), max=1.0)
+    w = torch.tensor(weights, dtype=torch.float64)
+    torch.mv(rows.t(), (scales * w / w.sum()).to(rows.dtype), out=out)
+    return Combined([float(s) for s in scales], weights)
+
+
+def distinct(rows: torch.Tensor, gram: torch.Tensor) -> list[int]:
+    """Indices of the first of each set of identical rows, in order (``gram``: the rows' Gram matrix, whose
+    distances pick the pairs worth comparing in full: within float32's rounding of a Gram entry, far closer
+    than two members' gradients ever are)."""
+    norms = gram.diagonal()
+    kept: list[int] = []
+    for i in range(rows.shape[0]):
+        close = [j for j in kept if float(norms[i] + norms[j] - 2 * gram[i, j]) <= 1e-4 * float(norms[i] + norms[j])]
+        if not any(torch.equal(rows[i], rows[j]) for j in close):
+            kept.append(i)
+    return kept
+
+
 def combine(
     rule: str, rows: torch.Tensor, claims: list[float], out: torch.Tensor, max_weight_ratio: float,
     clip_radius: float, clip_iterations: int,
 ) -> Combined:
     """Applies ``rule`` ('mean', 'centered_clip' or 'trimmed_mean') to ``rows`` with capped ``claims``."""
-    weights = cap_weights(claims, max_weight_ratio)
-    if rule == "mean" or rows.shape[0] < ROBUST_MIN_MEMBERS:
-        return weighted_mean(rows, weights, out)
+    if rule == "mean":
+        return weighted_mean(rows, cap_weights(claims, max_weight_ratio), out)
+    if rule not in ("centered_clip", "trimmed_mean"):
+        raise ValueError(f"unknown aggregation rule {rule!r}")
+    gram = (rows @ rows.t()).double()
+    kept = distinct(rows, gram)
+    if len(kept) == rows.shape[0]:
+        return _robust(rule, rows, cap_weights(claims, max_weight_ratio), out, gram, clip_radius, clip_iterations)
+    weights = cap_weights([claims[i] for i in kept], max_weight_ratio)
+    index = torch.tensor(kept)
+    result = _robust(rule, rows.index_select(0, index), weights, out, gram[index][:, index], clip_radius,
+                     clip_iterations)
+    fraction, weight = [0.0] * rows.shape[0], [0.0] * rows.shape[0]
+    for position, i in enumerate(kept):
+        fraction[i], weight[i] = result.kept[position], result.weights[position]
+    return Combined(fraction, weight)
+
+
+def _robust(rule: str, rows: torch.Tensor, weights: list[float], out: torch.Tensor, gram: torch.Tensor,
+            clip_radius: float, clip_iterations: int) -> Combined:
+    if rows.shape[0] < ROBUST_MIN_MEMBERS:
+        return equalized_mean(rows, weights, out, gram)
     if rule == "centered_clip":
-        return centered_clip(rows, weights, out, clip_radius, clip_iterations)
-    if rule == "trimmed_mean":
-        return trimmed_mean(rows, weights, out)
-    raise ValueError(f"unknown aggregation rule {rule!r}")
+        return centered_clip(rows, weights, out, clip_radius, clip_iterations, gram)
+    return trimmed_mean(rows, weights, out)

@@ -36,8 +36,11 @@ class AveragingConfig(Section):
     """Group formation and the all-reduce of gradients and parameters."""
 
     codec: CodecConfig = Field(default_factory=lambda: CodecConfig())
-    target_group_size: int = Field(default=4, ge=2, le=64, description="Members per averaging group, at most.")
-    min_group_size: int = Field(default=2, ge=2, description="Fewer ready peers than this: step alone.")
+    target_group_size: int = Field(
+        default=4, ge=2, le=64, description="Members per averaging group, at most. Must match across the swarm: "
+        "members refuse a leader's groups that are not split by it.")
+    min_group_size: int = Field(
+        default=2, ge=2, description="Fewer ready peers than this: step alone. Must match across the swarm.")
     matchmaking_window: float = Field(
         default=1.5, gt=0, description="Seconds the first ready peer waits for others before the group is fixed "
         "(at least: it waits longer while the DHT answers slowly, up to max_matchmaking_window).",

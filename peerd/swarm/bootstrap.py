@@ -19,6 +19,7 @@ from peerd.errors import BootstrapError, DaemonError
 from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.reach import p2pd_options
+from peerd.swarm.signing import RecordLifetimes
 from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
 
@@ -37,14 +38,16 @@ NO_DHT_CACHE = {"cache_locally": False, "cache_nearest": 0, "cache_refresh_befor
 
 
 async def start_with_retries(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
-                             metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
+                             lifetimes: RecordLifetimes, metrics_port: int,
+                             in_process: bool) -> IsolatedDHT | InProcessDHT:
     """Starts p2pd and the DHT (:func:`start_dht`), retrying with backoff while no initial peer answers;
     raises BootstrapError (or ClockSkewError) when an initial peer refuses this one or none answered."""
     delay = config.bootstrap_retry_delay
     last_error: Exception | None = None
     for attempt in range(1, config.bootstrap_attempts + 1):
         try:
-            return await start_dht(config, identity_path, fresh_identity, membership, metrics_port, in_process)
+            return await start_dht(config, identity_path, fresh_identity, membership, lifetimes, metrics_port,
+                                   in_process)
         except DHTValidationError as e:  # an initial peer answered but refused us: retrying cannot help
             raise clock_skew_error(e, config.initial_peers) or BootstrapError(
                 f"an initial peer refused this one: {short_error(e)}", addresses=list(config.initial_peers)) from e
@@ -71,7 +74,7 @@ async def start_with_retries(config: SwarmConfig, identity_path: Path, fresh_ide
 
 
 async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
-                    metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
+                    lifetimes: RecordLifetimes, metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
     """One attempt: p2pd and hivemind's DHT node, in hivemind's child process or on this event loop."""
     relay_kwargs, p2pd_flags = p2pd_options(config, metrics_port)
     kwargs: dict[str, Any] = {
@@ -87,7 +90,7 @@ async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bo
     }
     if config.announce_maddrs:
         kwargs["announce_maddrs"] = list(config.announce_maddrs)
-    validators = [SignedRecordValidator(membership)]
+    validators = [SignedRecordValidator(membership, lifetimes)]
     if in_process:
         return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
     # here, not at the top: hivemind's DHT class imports torch, which a light peer never loads

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -23,13 +22,15 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.config import SwarmConfig
 from peerd.errors import DaemonError, IdentityError, ProtocolViolation, TransportError
+from peerd.log import RateLimitedLog
 from peerd.swarm.bootstrap import short_error, start_with_retries
+from peerd.swarm.clock import record_lifetimes
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.reach import Reachability, free_loopback_port
 from peerd.swarm.records import PeerRecord, parse_record
-from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
+from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
 from peerd.swarm.validator import node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
@@ -54,7 +55,8 @@ class SwarmNode:
     """
 
     def __init__(self, config: SwarmConfig, run_name: str, dht: IsolatedDHT | InProcessDHT, signer: RecordSigner,
-                 membership: Membership, reach: Reachability, ephemeral_dir: Path | None = None) -> None:
+                 membership: Membership, reach: Reachability, lifetimes: RecordLifetimes,
+                 ephemeral_dir: Path | None = None) -> None:
         self.config = config
         self.reach = reach
         self.run_name = run_name
@@ -62,10 +64,10 @@ class SwarmNode:
         self.peer_id = str(dht.peer_id)
         self.signer = signer
         self.membership = membership
-        self.verifier = RecordVerifier(membership)
+        self.verifier = RecordVerifier(membership, lifetimes)
         self._ephemeral_dir = ephemeral_dir
         self._last_expiration = 0.0
-        self._dropped_logged_at: dict[str, float] = {}
+        self._log_dropped = RateLimitedLog(logger)  # status requests read the DHT often: one line a minute per peer
         self.latency = LatencyWindow()  # of stores and reads: matchmaking sizes its window by it
 
     @property
@@ -74,16 +76,18 @@ class SwarmNode:
 
     @classmethod
     async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None,
-                     in_process: bool = False) -> SwarmNode:
+                     in_process: bool = False, lifetimes: RecordLifetimes | None = None) -> SwarmNode:
         """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done.
 
         ``in_process``: the DHT runs on this event loop (``inprocess.py``, for a light peer) rather than in
-        hivemind's child process.
+        hivemind's child process. ``lifetimes``: how far ahead values may expire, by key
+        (``clock.record_lifetimes`` of the whole config; default: of ``config`` and the other sections' defaults).
 
         Without ``swarm.identity_path`` the peer gets a fresh key in a private temporary directory (removed
         at shutdown): the daemon needs the key itself, to sign its records.
         """
         membership = membership or Membership()
+        lifetimes = lifetimes or record_lifetimes(run_name, config)
         ephemeral_dir = None
         identity_path = config.identity_path
         if identity_path is None:
@@ -99,7 +103,8 @@ class SwarmNode:
                 raise IdentityError(f"cannot read identity file {identity_path}: {e.strerror or e}",
                                     path=identity_path) from e
             metrics_port = config.relay.metrics_port or free_loopback_port()
-            dht = await start_with_retries(config, identity_path, fresh, membership, metrics_port, in_process)
+            dht = await start_with_retries(config, identity_path, fresh, membership, lifetimes, metrics_port,
+                                           in_process)
             if str(dht.peer_id) != signer.peer_id:
                 await dht.close()
                 raise DaemonError(f"p2pd runs as {dht.peer_id} but the identity key is {signer.peer_id}")
@@ -107,7 +112,8 @@ class SwarmNode:
             if ephemeral_dir is not None:
                 shutil.rmtree(ephemeral_dir, ignore_errors=True)
             raise
-        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), ephemeral_dir)
+        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), lifetimes,
+                   ephemeral_dir)
 
     def visible_maddrs(self) -> list[str]:
         """Our addresses as of the last reachability refresh (a relay slot adds a relayed one later)."""
@@ -170,7 +176,8 @@ class SwarmNode:
             try:
                 opened = self.verifier.open(key_bytes, subkey, getattr(entry, "value", None), expiration)
             except ProtocolViolation as e:
-                self._log_dropped(str(e.context.get("peer_id", subkey)), e)
+                self._log_dropped(str(e.context.get("peer_id", subkey)), logging.WARNING,
+                                  "Dropping invalid record: %s", e)
                 continue
             entries[subkey] = (opened.payload, expiration)
         return entries
@@ -178,7 +185,8 @@ class SwarmNode:
     def drop(self, reason: str, error: ProtocolViolation) -> None:
         """Counts and logs a record a reader refused after its signature checked out (e.g. a bad payload)."""
         self.verifier.count(reason)
-        self._log_dropped(str(error.context.get("peer_id", "unknown")), error)
+        self._log_dropped(str(error.context.get("peer_id", "unknown")), logging.WARNING, "Dropping invalid record: %s",
+                          error)
 
     async def dropped_records(self) -> dict[str, int]:
         """Records refused, by reason: by this daemon's readers plus by its DHT node (stores and answers)."""
@@ -219,13 +227,6 @@ class SwarmNode:
         except (TimeoutError, OSError, RuntimeError) as e:
             logger.warning("Re-bootstrap did not finish: %s", short_error(e))
             return 0
-
-    def _log_dropped(self, peer: str, error: ProtocolViolation) -> None:
-        # Status requests read the DHT often; one bad peer must not flood the log.
-        last = self._dropped_logged_at.get(peer, -math.inf)
-        if time.monotonic() - last >= 60.0:
-            self._dropped_logged_at[peer] = time.monotonic()
-            logger.warning("Dropping invalid record: %s", error)
 
     async def shutdown(self) -> None:
         started = time.monotonic()

@@ -9,7 +9,6 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,23 +18,25 @@ from peerd.config import StreamLimits
 from peerd.errors import ProtocolViolation
 from peerd.experts.calls import HANDLER_NAME, wire_codec
 from peerd.experts.records import PROTOCOL_VERSION
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.launcher import LocalSwarm, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 from peerd.wire.frames import read_frame, read_message, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
-from tests.helpers import LISTEN, MOE_CONFIG, MOE_HIDDEN, experts_option, training
+from tests.helpers import (
+    EXPERTS_TTL,
+    LISTEN,
+    MOE_CONFIG,
+    MOE_HIDDEN,
+    called,
+    calls_to,
+    experts,
+    host_args,
+    training,
+)
 
 pytestmark = pytest.mark.integration
-
-EXPERTS_TTL = 6.0  # generous: on a loaded 2-core machine a DHT read can take seconds
-
-
-def host_args(first_index: int) -> list[str]:
-    experts = experts_option(2, first_index, EXPERTS_TTL)
-    return ["-o", "training.enabled=false", "-o", f"experts={experts}", "-o", "swarm.roles=[expert_host]"]
-
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
@@ -43,22 +44,6 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     config.write_text(MOE_CONFIG)
     with LocalSwarm(config, log_dir=tmp_path) as local_swarm:
         yield local_swarm
-
-
-def experts(peer: PeerProcess) -> dict[str, Any]:
-    section = peer.status()["experts"]
-    assert section is not None
-    return section
-
-
-def called(trainer: PeerProcess, uid: str) -> dict[str, Any]:
-    client = experts(trainer)["client"] or {"experts": {}}
-    return client["experts"].get(uid, {})
-
-
-def calls_to(trainer: PeerProcess, uid: str) -> int:
-    info = called(trainer, uid)
-    return int(info.get("forward", {}).get("calls", 0)) - int(info.get("forward", {}).get("errors", 0))
 
 
 @pytest.mark.timeout(180)

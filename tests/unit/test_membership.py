@@ -39,7 +39,8 @@ async def _pair() -> tuple[Streams, Streams]:
     return await asyncio.open_connection(sock=a), await asyncio.open_connection(sock=b)
 
 
-async def _handshake(initiator: Membership, responder: Membership) -> tuple[BaseException | None, ...]:
+async def _handshake(initiator: Membership, responder: Membership,
+                     admit: Callable[[], str | None] | None = None) -> tuple[BaseException | None, ...]:
     """Runs both sides (Alice opens to Bob); returns each side's error, or None where it succeeded."""
     (ra, wa), (rb, wb) = await _pair()
 
@@ -54,13 +55,31 @@ async def _handshake(initiator: Membership, responder: Membership) -> tuple[Base
 
     return tuple(await asyncio.gather(
         side(lambda: handshake.initiate(ra, wa, initiator, ALICE, BOB, PROTOCOL), wa),
-        side(lambda: handshake.accept(rb, wb, responder, BOB, ALICE, PROTOCOL), wb),
+        side(lambda: handshake.accept(rb, wb, responder, BOB, ALICE, PROTOCOL, admit), wb),
     ))
 
 
 def test_members_with_the_same_secret_get_through() -> None:
     assert asyncio.run(_handshake(SECRET, SECRET)) == (None, None)
     assert asyncio.run(_handshake(OPEN, OPEN)) == (None, None)
+
+
+def test_a_members_slot_is_asked_for_only_after_its_proof() -> None:
+    """The responder's admission (where the guard takes a member's stream slot) runs only for a peer whose
+    proof checked out, and its refusal reaches the initiator as busy."""
+    asked: list[str] = []
+
+    def admit() -> str | None:
+        asked.append("asked")
+        return "too many streams open"
+
+    initiator_error, responder_error = asyncio.run(_handshake(OTHER_SECRET, SECRET, admit))
+    assert asked == [] and responder_error is not None and responder_error.context["code"] == "HANDSHAKE_BAD_PROOF"
+    initiator_error, responder_error = asyncio.run(_handshake(SECRET, SECRET, admit))
+    assert asked == ["asked"]
+    assert isinstance(initiator_error, MembershipError) and initiator_error.context["code"] == "HANDSHAKE_BUSY"
+    assert isinstance(responder_error, MembershipError) and responder_error.context["code"] == "HANDSHAKE_BUSY"
+    assert asyncio.run(_handshake(SECRET, SECRET, lambda: None)) == (None, None)
 
 
 @pytest.mark.parametrize("initiator, responder, code", [

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
 from peerd.experts.calls import HANDLER_NAME, IDLE_SECONDS, PHASES, CallResult
-from peerd.experts.records import PROTOCOL_VERSION, ExpertRecord, experts_key
+from peerd.experts.records import PROTOCOL_VERSION, ExpertHostRecord, experts_key
 from peerd.experts.server.backend import ExpertBackend
 from peerd.experts.server.batching import BatchQueue, PendingCall
 from peerd.experts.server.headers import check_header, oversized_payload
@@ -113,33 +113,27 @@ class ExpertServer:
 
     # --- announcing -----------------------------------------------------------------------------------------
 
-    def records(self) -> list[ExpertRecord]:
+    def record(self) -> ExpertHostRecord:
         current = max(now(), self.started_at)
-        maddrs = self.swarm.visible_maddrs()
-        return [
-            ExpertRecord(
-                uid=uid,
-                peer_id=self.swarm.peer_id,
-                maddrs=maddrs,
-                protocol_version=PROTOCOL_VERSION,
-                hidden_dim=self.config.hidden_dim,
-                module=self.config.module,
-                updates=backend.updates,
-                started_at=self.started_at,
-                updated_at=current,
-            )
-            for uid, backend in self.backends.items()
-        ]
+        return ExpertHostRecord(
+            peer_id=self.swarm.peer_id,
+            maddrs=self.swarm.visible_maddrs(),
+            protocol_version=PROTOCOL_VERSION,
+            hidden_dim=self.config.hidden_dim,
+            module=self.config.module,
+            uids=list(self.backends),
+            updates=[backend.updates for backend in self.backends.values()],
+            started_at=self.started_at,
+            updated_at=current,
+        )
 
     async def announce(self) -> None:
         started = time.monotonic()
         expiration = now() + self.config.record_ttl
-        stores = [self.swarm.store(self.key, r.uid, r.to_wire(), expiration) for r in self.records()]
-        for result in await asyncio.gather(*stores, return_exceptions=True):
-            if isinstance(result, PeerdError):
-                logger.warning("Could not announce an expert: %s", result)
-            elif isinstance(result, BaseException):
-                raise result
+        try:
+            await self.swarm.store(self.key, self.swarm.peer_id, self.record().to_wire(), expiration)
+        except PeerdError as e:
+            logger.warning("Could not announce the experts: %s", e)
         took = time.monotonic() - started
         if took > self.config.announce_period:
             logger.warning(
