@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes
 
 from peerd.averaging import aggregation, matchmaking
 from peerd.cli import main
-from peerd.experts import directory
+from peerd.experts.client import directory
 from peerd.swarm import sealing, signing
 from peerd.wire.guard import StreamGuard
 
