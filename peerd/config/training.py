@@ -68,7 +68,7 @@ class AveragingConfig(Section):
         "deviation from the group's center is clipped to clip_radius times the median deviation) and "
         "'trimmed_mean' (robust: per coordinate the highest and lowest quarter are dropped) cap claimed "
         "weights (max_weight_ratio) and need every member's chunk before combining it; groups of 2 have no "
-        "majority, so they average with capped weights. 'mean' trusts every member: the weighted mean of "
+        "majority, so each row is scaled to the smaller norm of the two before the capped-weight mean. 'mean' trusts every member: the weighted mean of "
         "the claimed weights, summed as chunks arrive. The reducer decides; members apply its result.",
     )
     max_weight_ratio: float = Field(

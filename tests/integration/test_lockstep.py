@@ -1,6 +1,7 @@
 """Lockstep mode with real processes: every step averages both peers' fixed shares, bit for bit as one process
-training on the union of their samples would (with lossless averaging; weights of 64 samples make the
-weighted mean exact up to the one rounding of the sum, which is commutative for two members)."""
+training on the union of their samples would (with lossless averaging and the plain weighted mean, since robust
+rules scale a pair's rows to the smaller norm; weights of 64 samples make the weighted mean exact up to the one
+rounding of the sum, which is commutative for two members)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def _train_reference(shards: list[int]) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     args = ["-o", f"training.samples_per_step={SHARE}", "-o", "training.wait_for_peers=2",
-            "-o", "averaging.codec.lossless=true", "-o", f"training.max_steps={STEPS}",
+            "-o", "averaging.codec.lossless=true",
+            "-o", "averaging.aggregation=mean", "-o", f"training.max_steps={STEPS}",
             "-o", f"training.checkpoint.every_steps={STEPS}"]
     with LocalSwarm(SYNTHETIC, log_dir=tmp_path, extra_args=args) as local_swarm:
         yield local_swarm

@@ -75,6 +75,11 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
         try:
             assert stranger.stdout is not None
             ready = json.loads(stranger.stdout.readline())
+            # the strangers' streams reach the victim's handler after they opened on their side: time the
+            # rounds once they hold the pool they aim at (member slots without the defence, else the unproven)
+            pool, full = ("streams_open", 64) if undefended else ("unproven_streams_open", IDENTITIES * 4)
+            wait_for(lambda: victim.status(timeout=30)["membership"][pool] >= full, 60,
+                     f"the strangers to hold {full} of the victim's {pool}", 0.2)
             refused_before = dict(victim.status(timeout=30)["membership"]["streams_refused"])
             attacked = time_rounds(victim, ROUNDS, 3 * baseline + 30)
 
