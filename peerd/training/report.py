@@ -54,6 +54,8 @@ class TrainingReport:
     _stopped: float | None = None
     # the state transfers' live progress (downloads as a joiner, serving as a donor), read when reporting
     transfers: Callable[[], dict[str, Any]] | None = None
+    # what this trainer believes of the others' claims (peerd.training.joining), read when reporting
+    claims: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
@@ -219,4 +221,5 @@ class TrainingReport:
             "traffic": {kind: dict(entry) for kind, entry in self.traffic.items()},
             "round_durations": self.round_durations.as_dict(),
             "state_transfer": self.transfers() if self.transfers is not None else None,
+            "claims": self.claims() if self.claims is not None else None,
         }

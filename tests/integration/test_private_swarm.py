@@ -18,7 +18,8 @@ from peerd.config import StreamLimits
 from peerd.errors import MembershipError, StateError
 from peerd.experts.server import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from peerd.training.transfer.download import StateDownloader, probe_state
+from peerd.training.transfer.download import StateDownloader
+from peerd.training.transfer.probe import probe_state
 from peerd.training.transfer.server import HANDLER_NAME as STATE
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, generate_secret, load_secret
