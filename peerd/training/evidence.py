@@ -17,6 +17,7 @@ member can claim any step, any samples and any state. So this peer believes:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from peerd.training.distrust import Distrust
@@ -35,12 +36,16 @@ class Vouched:
 
 
 class Evidence:
-    def __init__(self, me: str, vouchers: int, weight_ratio: float | None, distrust: Distrust) -> None:
-        """``weight_ratio``: the aggregation's cap on a claimed weight relative to the median (None: uncapped)."""
+    def __init__(self, me: str, vouchers: int, weight_ratio: float | None, distrust: Distrust,
+                 lag_grace: float = 10.0) -> None:
+        """``weight_ratio``: the aggregation's cap on a claimed weight relative to the median (None: uncapped).
+        ``lag_grace``: seconds a member that fell behind still counts as coming to our rounds."""
         self.me = me
         self.vouchers = vouchers
         self.weight_ratio = weight_ratio
         self.distrust = distrust
+        self.lag_grace = lag_grace
+        self._near: dict[str, float] = {}  # peer -> time.monotonic() it was last within a step of ours
 
     def others(self, view: SwarmProgress) -> dict[str, ProgressRecord]:
         """The records that count: every trainer with our fingerprint but this one and those excluded."""
@@ -100,8 +105,21 @@ class Evidence:
         return own + int(sum(min(s, cap) for s in claims.values())), len(claims)
 
     def peers_near(self, view: SwarmProgress, step: int) -> int:
-        """Trainers at ``step`` or one step off it, this one included: who may join a round at ``step``."""
-        return 1 + sum(1 for p in self.others(view).values() if abs(p.step - step) <= 1)
+        """Trainers that may join a round at ``step``, this one included: those within a step of it, and those
+        behind it that were within a step less than ``lag_grace`` seconds ago (a member that fell behind
+        catches up and comes; one that claims to stay behind, or is still downloading, is not waited for). At
+        least 2 while any other member is in view, so a peer that got ahead of everyone still waits a
+        matchmaking window per step (and they catch up) rather than stepping alone at once."""
+        now, others = time.monotonic(), self.others(view)
+        self._near = {peer: seen for peer, seen in self._near.items() if peer in others}
+        count = 1
+        for peer, p in others.items():
+            if abs(p.step - step) <= 1:
+                self._near[peer] = now
+                count += 1
+            elif p.step < step and now - self._near.get(peer, -float("inf")) < self.lag_grace:
+                count += 1
+        return max(count, 2) if others else count
 
     def unbelieved(self, view: SwarmProgress, step: int) -> dict[str, int]:
         """Members claiming to be more than a step ahead of what this peer believes (its own step at least)."""

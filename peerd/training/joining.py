@@ -102,7 +102,7 @@ class Joining:
             return False
         vouched = t.evidence.vouched(t.progress.view)
         mine = self.snapshot.root.hex() if self.snapshot is not None else None
-        if vouched is not None and (vouched.step, vouched.digest) != (t.step, mine) and vouched.step >= t.step:
+        if vouched is not None and vouched.step >= t.step and (vouched.step, vouched.digest) != (t.step, mine):
             if time.monotonic() < self._retry_at:
                 return False
             if not await self._load(vouched):
@@ -158,7 +158,8 @@ class Joining:
         return pieces(self._flat)
 
     async def _adopt(self, target: int) -> None:
-        """Takes up the group's step with the state this trainer has (what it accumulated is dropped)."""
+        """Takes up the group's step with the state this trainer has (what it accumulated is dropped); the next
+        state averaging brings the state in line."""
         t = self.trainer
         async with t.step_lock:
             before, t.step, t.samples, t.report.inner_steps = t.step, target, 0, 0

@@ -77,7 +77,8 @@ class CollaborativeTrainer:
         distrust = Distrust()
         robust = averaging.aggregation != "mean"
         self.evidence = Evidence(self.peer_id, config.state_transfer.vouchers,
-                                 averaging.max_weight_ratio if robust else None, distrust)
+                                 averaging.max_weight_ratio if robust else None, distrust,
+                                 lag_grace=config.progress_ttl)
         self.mode: Mode = DilocoMode(self) if config.mode == "diloco" else SyncMode(self)
         transfer = config.state_transfer
         self.joining = Joining(self, guard, task.fingerprint, distrust)
