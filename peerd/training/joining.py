@@ -133,6 +133,7 @@ class Joining:
                                                    into=self._pieces)
         except StateError as e:
             logger.warning("Could not load a state the swarm vouches for; training on from step %d: %s", t.step, e)
+            t.report.state_sync_failures += 1
             return False
         assert state.digests is not None and self._flat is not None
         flat, self._flat = self._flat, None

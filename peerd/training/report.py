@@ -44,6 +44,7 @@ class TrainingReport:
     health: AveragingHealth = field(default_factory=AveragingHealth)  # are the rounds still averaging?
     group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
+    state_sync_failures: int = 0  # attempts to load a vouched state that no donor could satisfy
     steps_refused: int = 0  # updates not applied: they would have made the model non-finite
     # diloco: inner steps taken in the current phase, and whether the last phase's outer round is in flight
     inner_steps: int = 0
@@ -212,6 +213,7 @@ class TrainingReport:
             "averaging": self.health.as_dict(),
             "group_sizes": {str(size): count for size, count in sorted(self.group_sizes.items())},
             "state_syncs": self.state_syncs,
+            "state_sync_failures": self.state_sync_failures,
             "steps_refused": self.steps_refused,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
