@@ -91,10 +91,6 @@ class SwarmProgress:
     # peer id -> its last record seen at the step before its current one (what it had when it moved on)
     previous: dict[str, ProgressRecord] = field(default_factory=dict)
 
-    @property
-    def max_step(self) -> int:
-        return max((p.step for p in self.peers.values()), default=0)
-
     def samples_at(self, step: int) -> int:
         return sum(p.samples for p in self.peers.values() if p.step == step)
 
