@@ -66,8 +66,8 @@ def loss(values: list[dict[str, Any]]) -> str:
 def row(name: str, args: argparse.Namespace, log_dir: Path) -> list[Any]:
     attack, _, defence = name.partition("-")
     module = "tests.integration.undefended" if defence == "undefended" else "peerd"
-    (log_dir / name).mkdir()
-    with LocalSwarm(Path(args.config), log_dir=log_dir / name, extra_args=["-o", "training.wait_for_peers=3"]) as swarm:
+    log_dir.mkdir()
+    with LocalSwarm(Path(args.config), log_dir=log_dir, extra_args=["-o", "training.wait_for_peers=3"]) as swarm:
         honest = [spawn(swarm, "honest0", module)]
         honest[0].wait_ready(60)
         honest += [spawn(swarm, f"honest{i}", module) for i in (1, 2)]
@@ -102,8 +102,8 @@ def main() -> None:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     table = []
     with tempfile.TemporaryDirectory(prefix="bench-state-attack-") as tmp:
-        for name in args.rows.split(","):
-            table.append(row(name, args, Path(tmp)))
+        for i, name in enumerate(args.rows.split(",")):
+            table.append(row(name, args, Path(tmp) / f"{i}-{name}"))
             print(format_table(["row", f"rounds/{args.seconds:.0f}s", "steps", "reloads", "failed loads",
                                 "val loss", "s"], table[-1:]), flush=True)
     print(f"\n{started}, {os.cpu_count()} cores, load before: {load}, after: "

@@ -32,7 +32,7 @@ class Vouched:
 
     step: int
     digest: str
-    members: tuple[str, ...]  # who publish it: the donors to ask, the one claiming to be furthest ahead first
+    members: tuple[str, ...]  # who publish it: the donors to ask, in the order to ask them
 
 
 class Evidence:
@@ -71,7 +71,9 @@ class Evidence:
         if not agreed:
             return None
         (step, digest), records = max(agreed, key=lambda item: (item[0][0], len(item[1]), item[0][1]))
-        ordered = sorted(records, key=lambda r: (-r.step, r.peer_id))
+        believed = self.believed_step(view) or 0
+        # those whose own step is believable first (a member claiming to be far ahead is suspect), then ahead first
+        ordered = sorted(records, key=lambda r: (r.step > believed + 1, -r.step, r.peer_id))
         return Vouched(step, digest, tuple(r.peer_id for r in ordered))
 
     def doubt(self, view: SwarmProgress, step: int, digest: str, donor: str) -> str | None:

@@ -3,10 +3,11 @@
 far ahead of the swarm (:data:`LEAD` past the furthest honest member it sees) and which serves, instead of its
 state, finite noise of the right shapes (``PEERD_ATTACK_STATE=noise``) or the same with one NaN (``nan``).
 
-What its record says of that state is read, at every publication, from the file ``PEERD_ATTACK_CLAIM_FILE``:
-``ahead`` (the default): the noise's own digest at the claimed step, a state nobody else holds; ``mimic``: the
-state the honest members vouch for (copied from their records), served with their pieces' digests (asked of
-one of them) over the noise's bytes, the lie that makes a joiner pick it as a donor.
+What its record says is read, at every publication, from the file ``PEERD_ATTACK_CLAIM_FILE``: ``ahead`` (the
+default): the step far ahead and the noise's own digest at it, a state nobody else holds; ``mimic``: a step one
+ahead of the swarm (believable) and the state the honest members vouch for (copied from their records), served
+with their pieces' digests (asked of one of them) over the noise's bytes, the lie that makes a joiner ask it
+first.
 
 It takes part in no round and computes nothing (its micro-steps sleep), so the honest members train exactly as
 they would without it, and it never loads anyone's state.
@@ -73,7 +74,8 @@ async def _lying_publish(self: ProgressTracker, step: int, samples: int, samples
                          if_changed: bool = False) -> None:
     others = [p.step for peer, p in self.view.peers.items() if peer != self.swarm.peer_id]
     claimed = max([step, *others]) + LEAD
-    if claim_mode() == "mimic":
+    if claim_mode() == "mimic":  # a step ahead: believable, and the first donor a joiner asks
+        claimed = max([step, *others]) + 1
         self.claim = honest_claim(self)
     elif _joinings:
         self.claim = StateClaim(step=claimed, digest=fake_snapshot(claimed, _joinings[0].numel).root.hex())

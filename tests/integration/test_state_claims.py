@@ -4,9 +4,9 @@ ahead of the swarm and serves finite noise (or noise with one NaN) of the right 
 peers that believe every member's word) the honest members load the noise and jump to its step, or try the
 NaN state again at every micro-step; with them, the honest members train exactly as without the attacker (the
 validation loss of an attack-free run at the same step), never ask it for anything, list its claim as
-unbelieved, and a joiner that the attacker then lures (it names the state the honest members vouch for, and
-serves noise under their pieces' digests) catches it on the first piece, excludes it, and loads the honest
-state from another member. Nobody excludes an honest member.
+unbelieved, and a joiner that the attacker then lures (it claims to be one step ahead, names the state the
+honest members vouch for, and serves noise under their pieces' digests) catches it on the first piece, excludes
+it, and loads the honest state from another member. Nobody excludes an honest member.
 
 The synthetic task in lockstep mode (two micro-batches of 32 samples per peer per step, honest shards 1-3), so
 every run sees the same samples and an attacked run can be compared with the attack-free one step for step.

@@ -72,7 +72,11 @@ def test_the_newest_state_a_quorum_holds_is_chosen_with_the_furthest_ahead_first
 def test_a_liar_naming_the_honest_state_is_a_donor_but_never_its_own_voucher() -> None:
     swarm = view(record(ME, 0), record(A, 31, state=(30, D2)), record(LIAR, 30_031, state=(30, D2)))
     vouched = evidence().vouched(swarm)
-    assert vouched is not None and vouched.members == (LIAR, A)
+    assert vouched is not None and vouched.members == (A, LIAR)  # the one far ahead is asked last
+    near = view(record(ME, 0), record(A, 31, state=(30, D2)), record(B, 31, state=(30, D2)),
+                record(LIAR, 32, state=(30, D2)))
+    vouched = evidence().vouched(near)
+    assert vouched is not None and vouched.members == (LIAR, A, B)  # a step ahead is believable: asked first
     assert evidence().doubt(swarm, 30, D2, LIAR) is None  # A vouches for what the liar offers
     assert evidence().doubt(swarm, 30, D2, A) is None  # and the liar's claim is no less true for A's
     doubt = evidence().doubt(swarm, 30_031, FAKE, LIAR)

@@ -140,9 +140,9 @@ def test_a_joiner_loads_the_vouched_state_catches_the_liar_and_takes_up_the_grou
         net = LocalNet()
         await donors(net, **{LIAR: NOISE, A: TRAINED.state(), B: TRAINED.state()})
         trainer = Trainer(0)
-        # the liar claims the honest state and to be furthest ahead: it is the first donor asked
+        # the liar claims the honest state and to be a step ahead: it is the first donor asked
         joining = await joining_for(trainer, net, record(A, 35, TRAINED), record(B, 36, TRAINED),
-                                    record(LIAR, 30_035, TRAINED))
+                                    record(LIAR, 37, TRAINED))
         assert await joining.catch_up()
         assert trainer.mode.loaded is not None and torch.equal(trainer.mode.loaded, flat(30))
         assert trainer.step == 35 and trainer.samples == 0  # the group's step (a quorum is at 35 or later)
