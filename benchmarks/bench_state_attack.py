@@ -5,7 +5,8 @@ Three honest `peerd start` processes of ``--config`` (configs/synthetic.yaml, pl
 train until each is past step ``--warmup``; then, unless the row is ``clean``, the attacker of
 tests/integration/state_attacker.py joins: its progress records claim a step 30,000 ahead of the furthest honest
 member, and it serves finite noise of the right shapes (``noise``) or noise with one NaN (``nan``) as its state,
-under its own digest (the claim nobody else makes). The honest members run as `peerd` (``defended``) or as
+under its own digest (the claim nobody else makes). ``idle``: the same process telling no lie (it computes
+nothing and joins no round), what a fourth process costs three on the same cores. The honest members run as `peerd` (``defended``) or as
 tests/integration/undefended.py (``undefended``: they believe every member's word, as peerd did before the
 checks). Measured over ``--seconds`` from the moment the attacker is up (or the warm-up ended):
 
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.tables import format_table
 
-ROWS = ["clean", "noise-undefended", "noise-defended", "nan-undefended", "nan-defended"]
+ROWS = ["clean", "idle", "noise-undefended", "noise-defended", "nan-undefended", "nan-defended"]
 FIELDS = ("step", "rounds_ok", "state_syncs", "state_sync_failures", "validation_loss")
 
 
@@ -75,7 +76,9 @@ def row(name: str, args: argparse.Namespace, log_dir: Path) -> list[Any]:
             peer.wait_ready(60)
         wait_for(lambda: all(p.status()["training"]["step"] >= args.warmup for p in honest), 300,
                  f"every honest member past step {args.warmup}", 0.5)
-        if attack != "clean":
+        if attack == "idle":
+            spawn(swarm, "idle", "tests.integration.state_attacker", env={"PEERD_ATTACK_STATE": "none"}).wait_ready(60)
+        elif attack != "clean":
             spawn(swarm, "attacker", "tests.integration.state_attacker",
                   env={"PEERD_ATTACK_STATE": attack}).wait_ready(60)
         before, began = snapshot(honest), time.monotonic()

@@ -1,7 +1,8 @@
 """A member that lies about its progress and serves a false state, for tests only:
 `python -m tests.integration.state_attacker start ...` is `peerd start ...` whose progress records claim a step
 far ahead of the swarm (:data:`LEAD` past the furthest honest member it sees) and which serves, instead of its
-state, finite noise of the right shapes (``PEERD_ATTACK_STATE=noise``) or the same with one NaN (``nan``).
+state, finite noise of the right shapes (``PEERD_ATTACK_STATE=noise``) or the same with one NaN (``nan``);
+``none`` tells no lie (an idle member: what a fourth process costs the others, for comparison).
 
 What its record says is read, at every publication, from the file ``PEERD_ATTACK_CLAIM_FILE``: ``ahead`` (the
 default): the step far ahead and the noise's own digest at it, a state nobody else holds; ``mimic``: a step one
@@ -121,8 +122,9 @@ async def _no_group(self: RoundRunner, key: str, expected: int) -> None:
     return None
 
 
-ProgressTracker.publish = _lying_publish  # type: ignore[method-assign]
-Joining.serve = _serve_noise  # type: ignore[method-assign]
+if KIND != "none":
+    ProgressTracker.publish = _lying_publish  # type: ignore[method-assign]
+    Joining.serve = _serve_noise  # type: ignore[method-assign]
 Joining.__init__ = _remembering_init  # type: ignore[method-assign]
 Joining.catch_up = _no_catch_up  # type: ignore[method-assign]
 CollaborativeTrainer._micro_step = _idle_micro_step  # type: ignore[method-assign]
