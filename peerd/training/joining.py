@@ -2,8 +2,8 @@
 
 Every trainer keeps a :class:`~peerd.training.transfer.digest.Snapshot` of the state it last agreed on with a
 group: its initial state (the seed makes it the same on every fresh peer), then the result of each lossless
-state averaging and (diloco) each outer round averaged in a group. It serves that snapshot to joiners and
-names its digest in its progress record.
+state averaging and (diloco) each outer round averaged in a group; while it sees no other member, its own
+state at those points. It serves that snapshot to joiners and names its digest in its progress record.
 
 A trainer counts as behind only when a quorum of the other members is ahead of it
 (:meth:`~peerd.training.evidence.Evidence.believed_step`): a joiner, or a member that fell behind its group.

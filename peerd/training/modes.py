@@ -52,6 +52,7 @@ class Host(Protocol):
     async def checkpoint(self) -> None: ...
     async def average_state(self, step: int) -> None: ...
     async def agreed(self, step: int) -> None: ...  # a round left the group on the same state: it is served
+    def alone(self) -> bool: ...  # no other member in view
 
 
 class Mode(ABC):

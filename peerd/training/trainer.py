@@ -229,6 +229,9 @@ class CollaborativeTrainer:
     async def average_state(self, step: int) -> None:
         """Averages, losslessly, what members must agree on (the mode says what: sync mode's parameters and
         optimizer slots, diloco's shared parameters and outer momentum)."""
+        if self.alone():
+            await self.agreed(step)
+            return
         group = await self.rounds.state_group(f"{self.prefix}.state.{step}",
                                               self.evidence.peers_near(self.progress.view, step))
         if group is None:
@@ -240,8 +243,13 @@ class CollaborativeTrainer:
         if averaged is not None:  # the group's members hold these bits now (averaged is ours alone)
             await self.joining.agree(step, averaged)
 
+    def alone(self) -> bool:
+        """No other member is in view: the state this trainer has is the swarm's, as far as anyone can tell."""
+        return not self.evidence.others(self.progress.view)
+
     async def agreed(self, step: int) -> None:
-        """A round left this trainer's group on the same state (diloco's outer round): it is what it serves."""
+        """A round left this trainer's group on the same state (diloco's outer round), or it trains alone: the
+        state it holds is what it serves (a joiner that sees nobody else loads it)."""
         async with self.step_lock:
             flat = await asyncio.to_thread(self.mode.averaged_state)
         await self.joining.agree(step, flat)

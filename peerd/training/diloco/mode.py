@@ -95,7 +95,7 @@ class DilocoMode(Mode):
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1
-        elif averaged is not pseudo:  # averaged in a group, whose members now hold the same shared state
+        elif averaged is not pseudo or h.alone():  # the group's members (or this lone one) hold this state
             await h.agreed(phase + 1)
         every = h.config.state_averaging_every
         if every and (phase + 1) % every == 0:
