@@ -72,6 +72,7 @@ class Joining:
         self._snapshot_lock = asyncio.Lock()
         self._retry_at = 0.0
         self._flat: torch.Tensor | None = None  # what the current download writes into
+        self.undecided = False  # a quorum is ahead, but no state a quorum holds is in view (yet)
 
     # --- the state this trainer serves -------------------------------------------------------------------
 
@@ -94,15 +95,19 @@ class Joining:
     # --- keeping up ------------------------------------------------------------------------------------
 
     async def catch_up(self) -> bool:
-        """If a quorum of members is ahead: loads the newest vouched state newer than ours and, if the group
-        is still ahead, takes up its step. True if this trainer's step or state changed."""
+        """If a quorum of members is ahead: loads the newest vouched state if it is newer than ours and, if the
+        group is still ahead, takes up its step with the state it has (only once nothing newer is vouched for:
+        a joiner never takes up a step with a state older than the group's). True if its step or state changed."""
         t = self.trainer
         target = t.evidence.believed_step(t.progress.view)
         if target is None or target <= t.step + t.mode.ahead_ok:
             return False
         vouched = t.evidence.vouched(t.progress.view)
+        self.undecided = vouched is None
+        if vouched is None:  # no state a quorum holds (their records may be between two rounds): not yet
+            return False
         mine = self.snapshot.root.hex() if self.snapshot is not None else None
-        if vouched is not None and vouched.step >= t.step and (vouched.step, vouched.digest) != (t.step, mine):
+        if vouched.step >= t.step and (vouched.step, vouched.digest) != (t.step, mine):
             if time.monotonic() < self._retry_at:
                 return False
             if not await self._load(vouched):
@@ -112,6 +117,15 @@ class Joining:
         if target > t.step + t.mode.ahead_ok:
             await self._adopt(target)
         return True
+
+    async def join(self) -> None:
+        """Catches up before training (a joiner): while a quorum is ahead but its records do not name one state
+        yet (a round is landing), reads them again, for at most ``training.progress_ttl`` seconds."""
+        t = self.trainer
+        deadline = time.monotonic() + t.config.progress_ttl
+        while not await self.catch_up() and self.undecided and time.monotonic() < deadline:
+            await asyncio.sleep(t.config.progress_period)
+            await t.progress.refresh()
 
     async def _load(self, vouched: Vouched) -> bool:
         t = self.trainer

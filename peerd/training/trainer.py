@@ -106,7 +106,7 @@ class CollaborativeTrainer:
         await self.publish()
         await self.progress.refresh()
         if self.config.sync_state_on_join:
-            await self.joining.catch_up()
+            await self.joining.join()
         self.report.step = self.step
 
     async def stop(self) -> None:
@@ -169,7 +169,7 @@ class CollaborativeTrainer:
             # the periodic publisher refreshes the view; re-check at its pace
             await wait_unless_stopped(stop, self.config.progress_period)
         if self.config.sync_state_on_join:
-            await self.joining.catch_up()
+            await self.joining.join()
 
     async def _micro_step(self) -> None:
         # off the loop: a task's data pipeline may read and tokenize files to make the next batch

@@ -187,3 +187,22 @@ def test_a_failed_load_takes_up_no_step_and_is_not_retried_at_once(monkeypatch: 
         await net.close()
 
     asyncio.run(body())
+
+
+def test_a_joiner_takes_up_no_step_before_a_quorum_names_one_state() -> None:
+    async def body() -> None:
+        net = LocalNet()
+        await donors(net, **{A: TRAINED.state(), B: TRAINED.state()})
+        trainer = Trainer(0)
+        newer = take_snapshot(31, flat(31))
+        # A's round has landed, B's not yet: they name different states for a moment
+        joining = await joining_for(trainer, net, record(A, 35, newer), record(B, 36, TRAINED))
+        assert not await joining.catch_up() and joining.undecided
+        assert trainer.step == 0 and trainer.mode.loaded is None  # not step 35 with the seed's state
+        trainer.progress.view.peers[A] = record(A, 35, TRAINED)
+        assert await joining.catch_up() and not joining.undecided
+        assert trainer.mode.loaded is not None and torch.equal(trainer.mode.loaded, flat(30))
+        assert trainer.step == 35
+        await net.close()
+
+    asyncio.run(body())
