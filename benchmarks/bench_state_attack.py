@@ -10,10 +10,12 @@ nothing and joins no round), what a fourth process costs three on the same cores
 tests/integration/undefended.py (``undefended``: they believe every member's word, as peerd did before the
 checks). Measured over ``--seconds`` from the moment the attacker is up (or the warm-up ended):
 
-  rounds    gradient rounds averaged in a group (``rounds_ok``), mean over the honest members
-  steps     how far their step counter moved (a reload to a claimed step moves it by the claim)
-  reloads   states loaded (``state_syncs``); failed loads (``state_sync_failures``)
-  val loss  validation loss before -> after (mean; ``inf`` when the model is no longer finite)
+  rounds/min  gradient rounds averaged in a group (``rounds_ok``) per minute, mean over the honest members
+  steps       how far their step counter moved (a reload to a claimed step moves it by the claim)
+  reloads     states loaded (``state_syncs``); failed loads (``state_sync_failures``)
+  val loss    the last validation loss before -> after (every ``training.validation_every`` steps: a peer
+              that reloads every step or two rarely validates), mean; ``inf`` when not finite
+  train loss  the moving average of the micro-batch losses, before -> after: the model being trained now
 
 Run from the repository root (2 cores are enough; the rows are comparable only at similar load):
     .venv/bin/python benchmarks/bench_state_attack.py [--rows clean,noise-undefended,...] [--seconds 60]
@@ -40,7 +42,8 @@ from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.tables import format_table
 
 ROWS = ["clean", "idle", "noise-undefended", "noise-defended", "nan-undefended", "nan-defended"]
-FIELDS = ("step", "rounds_ok", "state_syncs", "state_sync_failures", "validation_loss")
+HEADERS = ["row", "rounds/min", "steps", "reloads", "failed loads", "val loss", "train loss", "s"]
+FIELDS = ("step", "rounds_ok", "state_syncs", "state_sync_failures", "validation_loss", "loss")
 
 
 def spawn(swarm: LocalSwarm, name: str, module: str, env: dict[str, str] | None = None) -> PeerProcess:
@@ -58,8 +61,8 @@ def snapshot(peers: list[PeerProcess]) -> list[dict[str, Any]]:
     return [{k: r[k] for k in FIELDS} for r in reports]
 
 
-def loss(values: list[dict[str, Any]]) -> str:
-    losses = [v["validation_loss"] for v in values]
+def loss(values: list[dict[str, Any]], key: str = "validation_loss") -> str:
+    losses = [v[key] for v in values]
     finite = [x for x in losses if x is not None and math.isfinite(x)]
     return f"{mean(finite):.3g}" if len(finite) == len(losses) else "inf"
 
@@ -88,10 +91,10 @@ def row(name: str, args: argparse.Namespace, log_dir: Path) -> list[Any]:
     def delta(key: str) -> float:
         return mean(a[key] - b[key] for a, b in zip(after, before, strict=True))
 
-    return [name, f"{delta('rounds_ok') * args.seconds / seconds:.0f}",
+    return [name, f"{delta('rounds_ok') * 60 / seconds:.0f}",
             f"{mean(b['step'] for b in before):.0f} -> {mean(a['step'] for a in after):.0f}",
             f"{delta('state_syncs'):.1f}", f"{delta('state_sync_failures'):.1f}",
-            f"{loss(before)} -> {loss(after)}", f"{seconds:.0f}"]
+            f"{loss(before)} -> {loss(after)}", f"{loss(before, 'loss')} -> {loss(after, 'loss')}", f"{seconds:.0f}"]
 
 
 def main() -> None:
@@ -107,12 +110,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-state-attack-") as tmp:
         for i, name in enumerate(args.rows.split(",")):
             table.append(row(name, args, Path(tmp) / f"{i}-{name}"))
-            print(format_table(["row", f"rounds/{args.seconds:.0f}s", "steps", "reloads", "failed loads",
-                                "val loss", "s"], table[-1:]), flush=True)
+            print(format_table(HEADERS, table[-1:]), flush=True)
     print(f"\n{started}, {os.cpu_count()} cores, load before: {load}, after: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(format_table(["row", f"rounds/{args.seconds:.0f}s", "steps", "reloads", "failed loads", "val loss", "s"],
-                       table))
+    print(format_table(HEADERS, table))
 
 
 if __name__ == "__main__":
