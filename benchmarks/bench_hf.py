@@ -92,7 +92,8 @@ def run_loop(batches: int, threads: int) -> dict[str, float]:
 
 def peer_args(batches_per_step: int, steps: int, mode: str) -> list[str]:
     args = ["-o", f"training.max_steps={steps}", "-o", "training.validation_every=1000000",
-            "-o", "training.state_averaging_every=0", "-o", "training.optimizer=adamw"]
+            "-o", "training.state_averaging_every=0", "-o", "training.sync_state_on_join=false",
+            "-o", "training.optimizer=adamw"]
     if mode == "diloco":
         return [*args, "-o", "training.mode=diloco", "-o", f"training.diloco.inner_steps={batches_per_step}"]
     return [*args, "-o", f"training.target_batch_size={8 * batches_per_step}"]

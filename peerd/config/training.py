@@ -146,6 +146,14 @@ class StateTransferConfig(Section):
         default=4, ge=1, le=64,
         description="Transfers a donor serves at once, all from one snapshot of its state; more are told busy.",
     )
+    vouchers: int = Field(
+        default=1, ge=0, le=64,
+        description="Members besides the donor that must publish the same digest of a state before a joiner "
+        "loads it, and the number of other members beyond one that must be ahead before a peer believes "
+        "it is behind. k defends against k members that lie together (with an allowlist; a swarm secret "
+        "alone lets one attacker mint any number of members). A peer that sees k or fewer other members "
+        "needs all of them. 0: one donor's word is enough (docs: security).",
+    )
 
 
 class CheckpointConfig(Section):
@@ -256,6 +264,11 @@ class TrainingConfig(Section):
                              "max_steps (or export a checkpoint with `peerd export`)")
         if self.resume and self.checkpoint.directory is None:
             raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
+        if self.mode == "sync" and self.sync_state_on_join and self.state_averaging_every == 0:
+            raise ValueError(
+                "training.sync_state_on_join loads a state that members agree on, which sync mode makes by "
+                "state averaging: set training.state_averaging_every (e.g. 10), or sync_state_on_join: false"
+            )
         if self.progress_ttl <= self.progress_period:
             raise ValueError("training.progress_ttl must exceed training.progress_period: raise progress_ttl")
         if self.samples_per_step is not None and self.lockstep_timeout <= self.progress_period:

@@ -44,6 +44,7 @@ class TrainingReport:
     health: AveragingHealth = field(default_factory=AveragingHealth)  # are the rounds still averaging?
     group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
+    state_sync_failures: int = 0  # attempts to load a vouched state that no donor could satisfy
     steps_refused: int = 0  # updates not applied: they would have made the model non-finite
     # diloco: inner steps taken in the current phase, and whether the last phase's outer round is in flight
     inner_steps: int = 0
@@ -54,6 +55,8 @@ class TrainingReport:
     _stopped: float | None = None
     # the state transfers' live progress (downloads as a joiner, serving as a donor), read when reporting
     transfers: Callable[[], dict[str, Any]] | None = None
+    # what this trainer believes of the others' claims (peerd.training.joining), read when reporting
+    claims: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
@@ -210,6 +213,7 @@ class TrainingReport:
             "averaging": self.health.as_dict(),
             "group_sizes": {str(size): count for size, count in sorted(self.group_sizes.items())},
             "state_syncs": self.state_syncs,
+            "state_sync_failures": self.state_sync_failures,
             "steps_refused": self.steps_refused,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
@@ -219,4 +223,5 @@ class TrainingReport:
             "traffic": {kind: dict(entry) for kind, entry in self.traffic.items()},
             "round_durations": self.round_durations.as_dict(),
             "state_transfer": self.transfers() if self.transfers is not None else None,
+            "claims": self.claims() if self.claims is not None else None,
         }

@@ -19,7 +19,8 @@ from peerd.config import StreamLimits
 from peerd.errors import MembershipError, StateError
 from peerd.experts.calls import HANDLER_NAME as EXPERTS
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from peerd.training.transfer.download import StateDownloader, probe_state
+from peerd.training.transfer.download import StateDownloader
+from peerd.training.transfer.probe import probe_state
 from peerd.training.transfer.server import HANDLER_NAME as STATE
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, generate_secret, load_secret
@@ -33,7 +34,8 @@ HOST = experts_option(4)
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     config = tmp_path / "private.yaml"
-    # state transfers only to peers behind: strangers join late, so they try; members never need one
+    # state transfers only to peers behind: strangers join late, so they try; members start together and never
+    # need one
     config.write_text(MOE_CONFIG.replace("run_name: peerd-moe-test", "run_name: peerd-private-test"))
     with LocalSwarm(config, log_dir=tmp_path) as local_swarm:
         yield local_swarm
@@ -77,7 +79,9 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
     secret, other = tmp_path / "swarm.secret", tmp_path / "other.secret"
     generate_secret(secret)
     generate_secret(other)
-    member = ["--swarm-secret", str(secret)]
+    # members start together: a member that trained alone is believed by a joiner that sees nobody else, not by
+    # two joiners that see each other at step 0 (docs: security, claims of progress and state)
+    member = ["--swarm-secret", str(secret), "-o", "training.wait_for_peers=3"]
     host = swarm.add_peer([*member, "-o", f"experts={HOST}"], timeout=120)
     members = [host, *(swarm.spawn_peer(member) for _ in range(2))]
     for peer in members:

@@ -21,6 +21,11 @@ from peerd.averaging import aggregation, matchmaking
 from peerd.cli import main
 from peerd.experts.client import directory
 from peerd.swarm import sealing, signing
+from peerd.training import joining
+from peerd.training.distrust import Distrust
+from peerd.training.evidence import Evidence, Vouched
+from peerd.training.progress import SwarmProgress
+from peerd.training.transfer.download import StateDownloader
 from peerd.wire.guard import StreamGuard
 
 
@@ -98,6 +103,38 @@ def _one_pool() -> None:
     StreamGuard.known = lambda self, peer: True  # type: ignore[method-assign]
 
 
+def _believe_claims() -> None:
+    """Believe every member's word about progress and state: the furthest step any member claims is where the
+    swarm is, the state of the member furthest ahead is the one to load (nothing vouching for it, its pieces
+    taken as they come), a failed load is tried again at the next micro-step, rounds expect every trainer in
+    view, every claimed sample counts, and nobody is excluded."""
+
+    def furthest_step(self: Evidence, view: SwarmProgress) -> int | None:
+        steps = [p.step for peer, p in view.peers.items() if peer != self.me]
+        return max(steps) if steps else None
+
+    def furthest_claim(self: Evidence, view: SwarmProgress) -> Vouched | None:
+        ahead = sorted((p for peer, p in view.peers.items() if peer != self.me and p.state is not None),
+                       key=lambda p: -p.step)
+        if not ahead or ahead[0].state is None:
+            return None
+        return Vouched(ahead[0].state.step, ahead[0].state.digest, (ahead[0].peer_id,))
+
+    def every_sample(self: Evidence, view: SwarmProgress, step: int, own: int,
+                     moved_on: bool = False) -> tuple[int, int]:
+        others = [p.samples for peer, p in view.peers.items() if peer != self.me and p.step == step]
+        return own + sum(others), len(others)
+
+    Evidence.believed_step = furthest_step  # type: ignore[method-assign]
+    Evidence.vouched = furthest_claim  # type: ignore[method-assign]
+    Evidence.doubt = lambda self, view, step, digest, donor: None  # type: ignore[method-assign]
+    Evidence.peers_near = lambda self, view, step: max(1, len(view.peers))  # type: ignore[method-assign]
+    Evidence.counted_samples = every_sample  # type: ignore[method-assign]
+    StateDownloader._verify = lambda self, *args: None  # type: ignore[method-assign]
+    Distrust.accuse = lambda self, peer, reason: 0.0  # type: ignore[method-assign]
+    joining.RETRY = 0.0
+
+
 DEFENCES: dict[str, Callable[[], None]] = {
     "key-check": _any_key,
     "tag-first": _verify_first,
@@ -110,6 +147,7 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "decision-checks": _any_decision,
     "identical-rows": _copies_count,
     "pair-norms": _capped_mean_of_pairs,
+    "claims": _believe_claims,
 }
 
 

@@ -7,8 +7,9 @@ previous round is still in flight waits for it first; a round is bounded by the 
 timeouts, so a dead peer holds nobody for longer.
 
 A training state holds the shared parameters and outer momentum besides the model and the inner optimizer. A
-joiner is served the shared parameters as its model (it starts the phase from theta, not from the donor's
-mid-phase weights); a checkpoint keeps this peer's own, so a resumed peer keeps its progress in the phase.
+joiner loads the shared parameters and outer momentum the group agreed on after a round and starts the phase
+from theta, with its own inner optimizer; a checkpoint keeps this peer's own model, so a resumed peer keeps its
+progress in the phase.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ class DilocoMode(Mode):
 
     def batch_complete(self, view: SwarmProgress) -> bool:
         """The trainers at this phase have taken inner_steps micro-batches each on average (faster peers more,
-        slower ones fewer: nobody waits)."""
+        slower ones fewer: nobody waits). Those that already ended it count with what they had then, so the
+        others end it right after them and meet them in its round."""
         h = self.host
-        if view.max_step > h.step:  # someone already ended this phase: end it too, so we meet in its round
+        believed = h.evidence.believed_step(view)
+        if believed is not None and believed > h.step:  # the group ended this phase: end it too
             return True
-        others = [p for peer, p in view.peers.items() if p.step == h.step and peer != h.peer_id]
-        samples = h.samples + sum(p.samples for p in others)
+        samples, others = h.evidence.counted_samples(view, h.step, h.samples, moved_on=True)
         per_peer = h.config.diloco.inner_steps * self.accumulate * h.local.task.batch_size
-        return samples >= per_peer * (1 + len(others))
+        return samples >= per_peer * (1 + others)
 
     def after_backward(self, samples: int) -> str | None:
         micro_batches, accumulated = self._accumulated
@@ -109,6 +111,8 @@ class DilocoMode(Mode):
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1
+        elif averaged is not pseudo or h.alone():  # the group's members (or this lone one) hold this state
+            await h.agreed(phase + 1)
         every = h.config.state_averaging_every
         if every and (phase + 1) % every == 0:
             await h.average_state(phase + 1)
@@ -150,13 +154,20 @@ class DilocoMode(Mode):
     def load_averaged_state(self, flat: torch.Tensor) -> None:
         self.outer.load_flat(flat)
 
+    def averaged_numel(self) -> int:
+        return self.outer.flat_numel()
+
+    def load_agreed(self, flat: torch.Tensor) -> None:
+        """The phase starts from the group's theta: this peer's progress in its own phase is dropped."""
+        self.outer.adopt(flat)
+
     def template(self) -> Template:
         layout = super().template()
         layout.update({name: (tuple(t.shape), t.dtype) for name, t in self.outer.named().items()})
         return layout
 
-    def capture(self, step: int, for_joiner: bool = False) -> TrainingState:
-        tensors = self.host.local.export_state(parameters=self.outer.shared if for_joiner else None)
+    def capture(self, step: int, shared: bool = False) -> TrainingState:
+        tensors = self.host.local.export_state(parameters=self.outer.shared if shared else None)
         tensors.update({name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.outer.named().items()})
         return TrainingState(step, tensors)
 
