@@ -14,7 +14,11 @@ loop on the same model, data and batches, in the same run; and 3 diloco peers ag
 
 Runs alternate (loop, lone peer, 3 peers) ``--repeats`` times; the table has each run and the medians.
 
-Run: .venv/bin/python benchmarks/bench_hf.py [--batches 240] [--threads 2] [--repeats 2]
+3. **LoRA's bytes** (``--lora``): the same model saved as a pretrained directory, fine-tuned by 3 peers in sync
+   mode for ``--lora-steps`` steps, once with LoRA adapters (rank 8 on q_proj and v_proj) and once in full:
+   payload bytes each peer sent per averaged round, and the ratio.
+
+Run: .venv/bin/python benchmarks/bench_hf.py [--batches 240] [--threads 2] [--repeats 2] [--lora]
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def plain_loop(batches: int, threads: int) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - started
     tokens = batches * data[0].numel()
-    return {"tokens_per_second": tokens / seconds, "peak_rss_mib": _peak_rss(os.getpid()), "loss": float(loss)}
+    return {"tokens_per_second": tokens / seconds, "peak_rss_mib": _peak_rss(os.getpid()), "loss": float(loss.detach())}
 
 
 def _peak_rss(pid: int) -> float:
@@ -88,7 +92,8 @@ def run_loop(batches: int, threads: int) -> dict[str, float]:
 
 def peer_args(batches_per_step: int, steps: int, mode: str) -> list[str]:
     args = ["-o", f"training.max_steps={steps}", "-o", "training.validation_every=1000000",
-            "-o", "training.state_averaging_every=0", "-o", "training.optimizer=adamw"]
+            "-o", "training.state_averaging_every=0", "-o", "training.sync_state_on_join=false",
+            "-o", "training.optimizer=adamw"]
     if mode == "diloco":
         return [*args, "-o", "training.mode=diloco", "-o", f"training.diloco.inner_steps={batches_per_step}"]
     return [*args, "-o", f"training.target_batch_size={8 * batches_per_step}"]
@@ -101,6 +106,7 @@ def tokens_per_second(peer: PeerProcess, seq_len: int) -> float:
 
 def run_peers(count: int, batches: int, threads: int, log_dir: Path) -> dict[str, Any]:
     """``count`` peers (1: sync mode alone; more: diloco), each training ``batches`` micro-batches."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     per_step = 20
     mode = "sync" if count == 1 else "diloco"
     args = [*peer_args(per_step, max(1, batches // per_step), mode), "-o", f"training.wait_for_peers={count}"]
@@ -121,24 +127,70 @@ def run_peers(count: int, batches: int, threads: int, log_dir: Path) -> dict[str
     return result
 
 
+def lora_bytes(steps: int, log_dir: Path) -> list[list[str]]:
+    """Bytes per round of 3 peers fine-tuning the demo's model, with LoRA and in full."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from peerd.config import load_config
+
+    options = load_config(CONFIG).training.task.options
+    settings = dict(options["config"])
+    model_dir = log_dir / "pretrained"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(REPO / options["tokenizer"]).save_pretrained(model_dir)
+    rows = []
+    for name, lora in (("LoRA r=8 (q_proj, v_proj)", "{r: 8}"), ("full fine-tuning", "null")):
+        args = ["-o", f"training.task.options.model={model_dir}", "-o", "training.task.options.config=null",
+                "-o", "training.task.options.tokenizer=null", "-o", f"training.task.options.lora={lora}",
+                "-o", "training.mode=sync", "-o", "training.target_batch_size=48", "-o", f"training.max_steps={steps}",
+                "-o", "training.state_averaging_every=0", "-o", "training.wait_for_peers=3"]
+        with LocalSwarm(CONFIG, log_dir=log_dir, extra_args=args) as swarm:
+            swarm.add_peer(timeout=180)
+            swarm.spawn_peer()
+            swarm.spawn_peer()
+            for peer in swarm.peers:
+                peer.wait_ready(180)
+            wait_for(lambda: all(p.status()["training"]["state"] == "idle" for p in swarm.peers), 1800,
+                     "every peer to finish", 1.0)
+            reports = [p.status()["training"] for p in swarm.peers]
+            swarm.stop()
+        sent = sum(r["bytes_sent"] for r in reports) / max(1, sum(r["rounds_ok"] for r in reports))
+        rows.append([name, f"{reports[0]['parameters']:,}", f"{reports[0]['model_parameters']:,}",
+                     str(sum(r["rounds_ok"] for r in reports)), f"{sent / 1024:,.1f}"])
+    full, adapters = float(rows[1][-1].replace(",", "")), float(rows[0][-1].replace(",", ""))
+    rows.append(["ratio", "", "", "", f"{full / adapters:.0f}x fewer bytes with LoRA"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=240, help="Micro-batches of 8 x 128 tokens per run.")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the loop and the lone peer.")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lora", action="store_true", help="Measure LoRA's bytes per round against full.")
+    parser.add_argument("--lora-steps", type=int, default=10)
     parser.add_argument("--plain-loop", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_loop:
         print(json.dumps(plain_loop(args.batches, args.threads)))
         return
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {os.cpu_count()} cores, load {os.getloadavg()}")
+    if args.lora:
+        with tempfile.TemporaryDirectory(prefix="peerd-bench-hf-") as tmp:
+            print(format_table(["run", "trainable", "parameters", "rounds (3 peers)", "KiB sent per peer per round"],
+                               lora_bytes(args.lora_steps, Path(tmp))))
+        return
     rows, loops, lones, threes = [], [], [], []
     for repeat in range(args.repeats):
         loop = run_loop(args.batches, args.threads)
-        with tempfile.TemporaryDirectory(prefix="peerd-bench-hf-") as tmp:
-            lone = run_peers(1, args.batches, args.threads, Path(tmp))
-        with tempfile.TemporaryDirectory(prefix="peerd-bench-hf-") as tmp:  # side by side, one thread each
-            three = run_peers(3, args.batches, 1, Path(tmp))
+        logs = Path(tempfile.mkdtemp(prefix="peerd-bench-hf-"))  # kept: the peers' logs, if one fails
+        print(f"run {repeat + 1}: peer logs in {logs}", flush=True)
+        lone = run_peers(1, args.batches, args.threads, logs / "lone")
+        three = run_peers(3, args.batches, 1, logs / "three")  # side by side, one thread each
         loops.append(loop["tokens_per_second"])
         lones.append(lone["tokens_per_second"])
         threes.append(three["tokens_per_second"])

@@ -3,14 +3,15 @@
 Three `peerd start` processes of ``--config`` (configs/lm-wan.yaml: 19.2M parameters), each in its own network
 namespace of benchmarks/netns.py behind a ``--rate`` Mbit/s port (25 by default, both ways): two donors train
 to ``training.max_steps`` (2: a sync step or a short diloco phase of ``--inner-steps`` is enough, the state's
-size does not depend on how far training went) and stay up, serving their state; then the joiner starts, sees
-the swarm ahead of it and downloads the state before it trains (``training.sync_state_on_join``). Sync mode's
-state is the model and its Adam slots (3x the parameters in fp32); diloco's adds the shared parameters and
-the outer momentum (5x).
+size does not depend on how far training went), average their state at step 2 (``state_averaging_every``) and
+stay up, serving the state they agree on; then the joiner starts, sees the swarm ahead of it and downloads the
+state both donors vouch for before it trains (``training.sync_state_on_join``). That state is what state
+averaging averages: sync mode's parameters and Adam slots (3x the parameters in fp32), diloco's shared
+parameters and outer momentum (2x).
 
 ``--kill-donor``: once the joiner holds ``--kill-at`` of the state, the donor it is downloading from is killed
 (SIGKILL of its whole process group: daemon, DHT child, p2pd) and the joiner finishes from the other one,
-resuming at the byte where the first stopped.
+resuming at the start of the 32 MiB piece the first was sending.
 
 Printed per run: mode, state size, seconds of the download (the joiner's ``state_transfer.download.seconds``:
 first request to checked state), achieved Mbit/s of payload, bytes from each donor, donors tried, the step
@@ -66,7 +67,7 @@ def run(lab: NetnsLab, mode: str, args: argparse.Namespace, index: int) -> dict[
     common = ["--config", str(args.config), "--run-name", f"join-{mode}", "--control-port", "0",
               "-o", f"training.mode={mode}", "-o", f"training.diloco.inner_steps={args.inner_steps}",
               "-o", "training.max_steps=2", "-o", "training.validation_every=1000",
-              "-o", "training.state_averaging_every=0", *args.override]
+              "-o", "training.state_averaging_every=2", *args.override]
     peers: list[NetnsPeer] = []
     result: dict[str, Any] = {"mode": mode, "load_before": load(), "log_dir": str(log_dir)}
     try:

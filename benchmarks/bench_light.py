@@ -11,7 +11,10 @@ Printed: RSS, PSS and USS summed over each tree (MiB), per process RSS/PSS, and 
 the baseline's. PSS splits pages shared between processes (torch's libraries are mapped by both peers' trees),
 so it is the figure that sums to the machine's real use.
 
-Run: .venv/bin/python benchmarks/bench_light.py [--settle 10] [--no-baseline]
+With ``--alone``, one light peer of configs/local.yaml (or ``--config``) runs with nothing beside it, as a
+bootstrap peer on a small server would, and only its tree is measured.
+
+Run: .venv/bin/python benchmarks/bench_light.py [--settle 10] [--no-baseline | --alone]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from peerd.launcher import PeerProcess, wait_for
 from peerd.tables import format_table
 
 CONFIG = HERE.parent / "configs" / "synthetic.yaml"
+ALONE_CONFIG = HERE.parent / "configs" / "local.yaml"
 
 
 def load() -> str:
@@ -54,14 +58,35 @@ def measure_beside(trainer: PeerProcess, light: PeerProcess, settle: float) -> t
     return tree_memory(process_tree(trainer.proc.pid)), tree_memory(process_tree(light.proc.pid))
 
 
+def alone(config: Path, settle: float, log_dir: Path) -> None:
+    peer = PeerProcess("alone", ["--config", str(config), "--control-port", "0"], log_dir)
+    try:
+        peer.wait_ready(120)
+        time.sleep(settle)  # a measurement window, not synchronisation: records refreshed, views checked
+        mem = tree_memory(process_tree(peer.proc.pid))
+    finally:
+        peer.stop()
+    print(f"bench_light --alone {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, load {load()}, "
+          f"config {config.name}, settle {settle:g}s")
+    print(format_table(["peer tree", "RSS MiB", "PSS MiB", "of it anon", "of it files", "USS MiB",
+                        "per process RSS/PSS"],
+                       [["light, alone", f"{mem.rss:.0f}", f"{mem.pss:.0f}", f"{mem.pss_anon:.0f}",
+                         f"{mem.pss_file:.0f}", f"{mem.uss:.0f}", mem.describe()]]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--config", type=Path, default=None, help=f"default {CONFIG.name} ({ALONE_CONFIG.name} alone)")
     parser.add_argument("--settle", type=float, default=10.0)
     parser.add_argument("--no-baseline", action="store_true", help="measure only the light peer as it is now")
+    parser.add_argument("--alone", action="store_true", help="one light peer with nothing beside it")
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="peerd-bench-light-"))
+    if args.alone:
+        alone(args.config or ALONE_CONFIG, args.settle, log_dir)
+        return
+    args.config = args.config or CONFIG
     rows: list[list[str]] = []
     pss: dict[str, float] = {}
     variants = [("light", "peerd")] + ([] if args.no_baseline else [("light, before", "_full_hivemind_peer")])

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peerd.config import MoEConfig, StreamLimits, SwarmConfig
 from peerd.experts import ExpertClient, RemoteMoE
-from peerd.experts.router import Router, renormalize, route
+from peerd.experts.client.router import Router, renormalize, route
 from peerd.launcher import PeerProcess, wait_for
 from peerd.swarm.node import SwarmNode
 from peerd.tables import format_table

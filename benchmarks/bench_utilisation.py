@@ -22,7 +22,8 @@ has no count of the samples a peer computed to check it against. ``--phase-end s
 anyway (samples then equal only on average). All peers wait for each other before the first step
 (``training.wait_for_peers``), validation runs once, after the last step (``training.validation_every`` =
 max_steps: it is not compute), and state averaging is off (``training.state_averaging_every=0``: it repairs
-peers that missed rounds, and 3x the model in fp32 would dominate the bytes).
+peers that missed rounds, and 3x the model in fp32 would dominate the bytes), and with it the joining of a
+peer behind (``training.sync_state_on_join=false``), which loads only a state the swarm averaged.
 
 Per peer, the measured window runs from its first compute to the moment it reached the sample budget: its
 status's ``wall_seconds`` (seconds since its first forward pass) and ``compute_seconds`` (forward, backward,
@@ -176,7 +177,8 @@ def run_row(lab: NetnsLab, mode: str, args: argparse.Namespace, index: int) -> R
     steps = args.samples // per_step
     row = Row(mode, steps, args.samples, args.samples // batch_size)
     overrides = [*common, *budget, "-o", f"training.max_steps={steps}", "-o", f"training.validation_every={steps}",
-                 "-o", f"training.wait_for_peers={args.peers}", "-o", "training.state_averaging_every=0"]
+                 "-o", f"training.wait_for_peers={args.peers}", "-o", "training.state_averaging_every=0",
+                 "-o", "training.sync_state_on_join=false"]
     effective_config(args.config, overrides)  # fail here, not in four daemons
     log_dir = Path(tempfile.mkdtemp(prefix=f"peerdbench-util-{mode}-"))
     row.log_dir = str(log_dir)

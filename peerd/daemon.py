@@ -2,36 +2,33 @@
 
 Start order: path checks -> swarm (p2pd + DHT) -> expert server (if ``experts`` is set) -> trainer (if
 enabled) -> control endpoint -> training loop -> first record -> ready line. Each start step registers its
-undo; stopping runs them in reverse: announce ``leaving`` -> training loop -> control endpoint -> trainer ->
-expert server -> swarm. Each stop step is logged and bounded, and one that fails does not keep the others from
-running.
+undo (``startup.py`` holds the steps beyond the swarm and the stack of undos); stopping runs them in reverse:
+announce ``leaving`` -> training loop -> control endpoint -> trainer -> expert server -> swarm.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import random
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from hivemind.p2p import P2P, P2PDaemonError
 
-from peerd import __version__
 from peerd.config import PeerdConfig
 from peerd.control.server import ControlServer
 from peerd.control.terminal import TerminalProgress
 from peerd.errors import DaemonError, PeerdError
-from peerd.swarm.clock import ttl_margin_problems
+from peerd.startup import StopStack, check_paths, start_expert_server, start_trainer
+from peerd.status import peer_record, ready_line, status_document
+from peerd.swarm.clock import record_lifetimes, ttl_margin_problems
 from peerd.swarm.node import SwarmNode, now
 from peerd.swarm.presence import Presence
-from peerd.swarm.records import PROTOCOL_VERSION, Capabilities, PeerRecord, PeerState
+from peerd.swarm.records import PeerRecord, PeerState
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership, membership_from_config
 
@@ -60,7 +57,7 @@ class Daemon:
         self.experts: ExpertServer | None = None
         self.expert_client: ExpertClient | None = None
         self._progress: TerminalProgress | None = None
-        self._stops = contextlib.AsyncExitStack()  # the undo of every start step, run in reverse
+        self._stops = StopStack(config.shutdown_timeout)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
 
@@ -68,58 +65,47 @@ class Daemon:
         """Starts the components in order; each registers how to stop it, so :meth:`shutdown` undoes exactly
         what was started, in reverse order, also after a failure half-way through start-up."""
         self.membership = membership_from_config(self.config.swarm)
-        await self._check_paths()
+        await check_paths(self.config.training)
         if self.membership.open:
             logger.warning("Open swarm: any peer that learns an address of this swarm can join its averaging, "
-                           "call its experts and download its training state (set swarm.secret_path: README, "
+                           "call its experts and download its training state (set swarm.secret_path: docs/security.md, "
                            "'Private swarms')")
         else:
             logger.info("Membership: %s; only members are served", self.membership.describe())
         for problem in ttl_margin_problems(self.config):
             logger.warning("%s", problem)
-        self.swarm = await SwarmNode.create(self.config.swarm, self.config.run_name, self.membership,
-                                            in_process=self.config.dht_in_process)
-        self._on_stop("swarm", self.swarm.shutdown)
+        config = self.config
+        lifetimes = record_lifetimes(config.run_name, config.swarm, config.averaging, config.training, config.experts)
+        self.swarm = await SwarmNode.create(config.swarm, config.run_name, self.membership,
+                                            in_process=config.dht_in_process, lifetimes=lifetimes)
+        self._stops.push("swarm", self.swarm.shutdown)
         logger.info("Joined swarm %r as %s", self.config.run_name, self.swarm.peer_id)
         self.presence = Presence(self.swarm, self.config.swarm, self.record)
         await self._refresh_reachability()
         if self.config.experts is not None:
-            await self._start_experts()
+            self.experts = await start_expert_server(self.config, self.swarm, await self._stream_guard(), self._stops)
         if self.config.training.enabled:
-            await self._start_trainer()
+            self.trainer, self.expert_client = await start_trainer(self.config, self.swarm, await self._stream_guard(),
+                                                                   self.experts, self._stops)
         # after the components it reports on: once it answers, its status has every section
         self.control = await ControlServer.create(self.config.control, self.status, self.history)
-        self._on_stop("control endpoint", self.control.shutdown)
+        self._stops.push("control endpoint", self.control.shutdown)
         self.state = PeerState.TRAINING if self.trainer is not None else PeerState.IDLE
         if self.trainer is not None:
             self._trainer_task = asyncio.ensure_future(self.trainer.run(self._trainer_stop))
-            self._on_stop("training loop", self._stop_training_loop, self.config.shutdown_timeout / 3)
+            self._stops.push("training loop", self._stop_training_loop, self.config.shutdown_timeout / 3)
             self._progress = TerminalProgress.start(self.config.logging, self.training_snapshot)
-            self._on_stop("progress display", self._progress.stop)
+            self._stops.push("progress display", self._progress.stop)
         await self.presence.publish()
         # registered last so it runs first: the swarm hears we leave before anything stops serving it
-        self._on_stop("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
-
-    async def _check_paths(self) -> None:
-        """Refuses paths this peer will write to later before anything starts: a checkpoint directory found
-        unwritable at the first checkpoint would cost the training done until then."""
-        checkpoints = self.config.training.checkpoint.directory
-        if self.config.training.enabled and checkpoints is not None:
-            from peerd.training.checkpoint import check_directory
-
-            await asyncio.to_thread(check_directory, checkpoints)
-        export = self.config.training.export.directory
-        if self.config.training.enabled and export is not None:
-            from peerd.training.export import check_export_directory
-
-            await asyncio.to_thread(check_export_directory, export, "training.export.directory")
+        self._stops.push("leaving announcement", self._announce_leaving, self.config.shutdown_timeout / 3)
 
     async def _p2p_handle(self) -> P2P:
         """hivemind's P2P handle to the DHT's p2pd, opened once."""
         assert self.swarm is not None
         if self._p2p is None:
             self._p2p = await self.swarm.dht.replicate_p2p()
-            self._on_stop("P2P handle", self._p2p.shutdown)
+            self._stops.push("P2P handle", self._p2p.shutdown)
         return self._p2p
 
     async def _stream_guard(self) -> StreamGuard:
@@ -137,55 +123,6 @@ class Daemon:
                                    self.config.swarm.request_timeout * 2)
         except (TimeoutError, OSError, P2PDaemonError, ValueError) as e:
             logger.debug("Could not read reachability from p2pd: %r", e)
-
-    async def _start_experts(self) -> None:
-        from peerd.experts import ExpertServer
-
-        config = self.config.experts
-        assert self.swarm is not None and config is not None
-        guard = await self._stream_guard()
-        self.experts = await ExpertServer.create(config, self.swarm, guard, self.config.run_name)
-        self._on_stop("expert server", self.experts.stop)
-
-    async def _start_trainer(self) -> None:
-        from peerd.experts import ExpertClient
-        from peerd.tasks import TaskRuntime, build_task, shard_for_peer
-        from peerd.training.trainer import CollaborativeTrainer
-
-        assert self.swarm is not None
-        task_config = self.config.training.task
-        shard = shard_for_peer(task_config, self.swarm.peer_id)
-        guard = await self._stream_guard()
-        # remote MoE layers of the task call experts through this; it reads the DHT only once a layer is built
-        self.expert_client = ExpertClient(self.swarm, guard, self.config.run_name)
-        self._on_stop("expert client", self.expert_client.close)
-        if self.experts is not None:  # this peer serves experts too: its model calls them in-process
-            self.expert_client.attach_local(self.experts)
-        task = await asyncio.to_thread(build_task, task_config, shard, TaskRuntime(experts=self.expert_client))
-        logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
-                    task_config.num_shards)
-        self.trainer = CollaborativeTrainer(
-            self.config.training, self.config.averaging, task, self.swarm, guard, self.config.run_name,
-            shard_index=shard,
-        )
-        await self.trainer.start()
-        self._on_stop("trainer", self.trainer.stop)
-
-    def _on_stop(self, name: str, stop: Callable[[], Awaitable[None]], timeout: float | None = None) -> None:
-        """Registers the undo of a start step; each runs bounded and logged, and a failure does not keep
-        the components started before it from stopping."""
-        bound = self.config.shutdown_timeout if timeout is None else timeout
-
-        async def step() -> None:
-            try:
-                await asyncio.wait_for(stop(), bound)
-                logger.info("Stopped the %s", name)
-            except TimeoutError:
-                logger.warning("Stopping the %s took longer than %.1fs; going on", name, bound)
-            except Exception as e:  # noqa: BLE001 (shutdown goes on whatever one component does)
-                logger.warning("Stopping the %s failed: %r", name, e)
-
-        self._stops.push_async_callback(step)
 
     async def _announce_leaving(self) -> None:
         assert self.swarm is not None and self.presence is not None
@@ -211,7 +148,7 @@ class Daemon:
         try:
             await self.start()
             assert self.swarm is not None and self.control is not None  # set by start()
-            print(json.dumps(self.ready_info()), file=ready_stream, flush=True)
+            print(json.dumps(ready_line(self)), file=ready_stream, flush=True)
             logger.info("Ready: control endpoint %s, reachable at %s", self.control.url,
                         " ".join(self.swarm.visible_maddrs()))
             await self._supervise()
@@ -251,42 +188,13 @@ class Daemon:
             logger.info("Stop requested; shutting down")
         self.stop_event.set()
 
-    # --- views -----------------------------------------------------------------------------------------------
+    # --- views (assembled by status.py) ---------------------------------------------------------------------
 
     def record(self) -> PeerRecord:
-        assert self.swarm is not None
-        throughput = None
+        """This peer's record as published now; the state follows the trainer's (training or averaging)."""
         if self.trainer is not None and self.state is not PeerState.LEAVING:
             self.state = PeerState.AVERAGING if self.trainer.report.state == "averaging" else PeerState.TRAINING
-            throughput = round(self.trainer.report.samples_per_second, 3)
-        return PeerRecord(
-            peer_id=self.swarm.peer_id,
-            software_version=__version__,
-            protocol_version=PROTOCOL_VERSION,
-            roles=self._roles(),
-            state=self.state,
-            maddrs=self.swarm.visible_maddrs(),
-            capabilities=Capabilities(throughput=throughput, experts=self.experts.uids if self.experts else []),
-            started_at=self.started_at,
-            updated_at=max(now(), self.started_at),
-            peers_seen=self.presence.view.seen_count if self.presence is not None else None,
-        )
-
-    def _roles(self) -> list[str]:
-        roles: list[str] = list(self.config.swarm.roles)
-        if self.experts is not None and "expert_host" not in roles:
-            roles.append("expert_host")
-        return roles
-
-    def experts_snapshot(self) -> dict[str, Any] | None:
-        """``calls``/``errors``/``latency`` (both sides, for /metrics); ``server``: this host's experts (calls,
-        tokens, latency, errors, updates); ``client``: the experts this peer's model called (latency, failures)
-        and its MoE layers (fallback tokens). See ``peerd.experts.stats.status_section``."""
-        if self.experts is None and self.expert_client is None:
-            return None
-        from peerd.experts.stats import status_section
-
-        return status_section(self.experts, self.expert_client)
+        return peer_record(self)
 
     def training_snapshot(self) -> dict[str, Any] | None:
         return self.trainer.report.as_dict() if self.trainer is not None else None
@@ -294,42 +202,8 @@ class Daemon:
     def history(self, points: int) -> dict[str, Any] | None:
         return self.trainer.report.history(points) if self.trainer is not None else None
 
-    def ready_info(self) -> dict[str, Any]:
-        assert self.swarm is not None and self.control is not None
-        return {
-            "event": "ready",
-            "peer_id": self.swarm.peer_id,
-            "maddrs": self.swarm.visible_maddrs(),
-            "control": self.control.url,
-            "run_name": self.config.run_name,
-            "pid": os.getpid(),
-        }
-
     async def status(self) -> dict[str, Any]:
-        assert self.swarm is not None and self.presence is not None
-        peers, peers_read_age, error = await self.presence.peers()
-        return {
-            "peer_id": self.swarm.peer_id,
-            "run_name": self.config.run_name,
-            "software_version": __version__,
-            "state": self.state.value,
-            "maddrs": self.swarm.visible_maddrs(),
-            "uptime": round(now() - self.started_at, 2),
-            "roles": self._roles(),
-            "pid": os.getpid(),
-            "peers": peers,
-            "peers_read_age": peers_read_age,  # seconds since the read of the records in `peers` began
-            "dht_error": error,
-            "view": self.presence.view.status(),
-            # the median of this peer's recent DHT stores and reads: matchmaking windows and progress reads
-            # stretch with it
-            "dht_request_seconds": round(self.swarm.latency.median(), 4),
-            "records_dropped": await self.swarm.dropped_records(),
-            "training": self.trainer.report.as_dict() if self.trainer is not None else None,
-            "experts": self.experts_snapshot(),
-            "membership": self.guard.status() if self.guard is not None else {"mode": self.membership.describe()},
-            "reachability": self.swarm.reach.status(),
-        }
+        return await status_document(self)
 
 
 def run_daemon(config: PeerdConfig, ready_stream: TextIO = sys.stdout) -> int:

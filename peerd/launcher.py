@@ -235,7 +235,7 @@ class LocalSwarm:
 
     def __enter__(self) -> Self:
         # SIGTERM's default action ends this process without running __exit__, leaving every peer running
-        # (seen after `kill` of a benchmark); as an exception it unwinds through __exit__ like Ctrl-C does.
+        # (`kill` of a benchmark or test run); as an exception it unwinds through __exit__ like Ctrl-C does.
         self._sigterm_installed = threading.current_thread() is threading.main_thread()
         if self._sigterm_installed:
             self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)

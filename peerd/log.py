@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
+import time
 import warnings
+from collections import OrderedDict
+from collections.abc import Hashable
 
 from peerd.config import LoggingConfig
 
@@ -52,3 +56,33 @@ def route_hivemind_logs(config: LoggingConfig) -> None:
 def _abandoned_dht_rpc(record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not (message.startswith("Task was destroyed but it is pending") and "/hivemind/dht/" in message)
+
+
+class RateLimitedLog:
+    """Logs at most one line per ``key`` (a peer id, a reason) every ``every`` seconds, remembering at most
+    ``size`` keys, the least recently logged dropped first: a stranger can claim a new peer id in every
+    message, so a per-peer memory must be bounded. Thread-safe (hivemind validates records on its own loop)."""
+
+    def __init__(self, logger: logging.Logger, every: float = 60.0, size: int = 1024) -> None:
+        self.logger = logger
+        self.every = every
+        self.size = size
+        self._last: OrderedDict[Hashable, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: Hashable, level: int, message: str, *args: object) -> bool:
+        """Logs ``message % args`` unless ``key`` was logged within ``every`` seconds; True if it logged."""
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.every:
+                return False
+            self._last[key] = now
+            self._last.move_to_end(key)
+            while len(self._last) > self.size:
+                self._last.popitem(last=False)
+        self.logger.log(level, message, *args)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._last)

@@ -86,7 +86,11 @@ _TRAINING_GAUGES = (  # name, key in TrainingReport.as_dict(), help
      "Samples per second over the swarm's trainers."),
     ("peerd_training_peers", "peers_training",
      "Trainers of this model (this one included) with live progress."),
-    ("peerd_training_parameters", "parameters", "Trainable parameters of the model."),
+    ("peerd_training_parameters", "parameters", "Trainable parameters of the model: what rounds average."),
+    ("peerd_training_model_parameters", "model_parameters",
+     "All parameters of the model, frozen ones (a LoRA run's base model) included."),
+    ("peerd_training_tokens_per_second", "tokens_per_second",
+     "Language-model tasks: tokens this peer trains on per second of compute."),
 )
 
 

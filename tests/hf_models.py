@@ -74,3 +74,9 @@ def write_parquet(path: Path, lines: list[str], field: str = "text") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({field: lines}), path)
     return path
+
+
+def tokenizer_and_model(root: Path) -> dict[str, Path]:
+    """A tokenizer and a tiny Llama saved beside it under ``root``: what every test of the hf task starts from."""
+    tokenizer = make_tokenizer(root / "tokenizer")
+    return {"root": root, "tokenizer": tokenizer, "model": make_model(root / "model", tokenizer=tokenizer)}

@@ -16,8 +16,16 @@ rank order, so its result does not depend on arrival order. Two defences act tog
 - ``trimmed_mean``: per coordinate, drop the ``ceil(n / 4)`` smallest and largest values, average the rest
   (unweighted: any weighting would let a heavy claim back in).
 
-With fewer than 3 members there is no majority to trust, so robust rules fall back to the mean of the
-(capped) weights; callers report that.
+Two degenerate cases would hand the result to one side, so robust rules treat them first:
+
+- Identical rows. Members' gradients from different data never coincide exactly; identical rows are copies
+  (sybils of one attacker). Half a group's rows identical make CenteredClip's radius 0 (the median distance
+  from them), and their row wins outright. Each set of identical rows counts as one member, with one weight:
+  the copies are reported as left out (kept 0).
+- Fewer than 3 distinct rows (a group of 2): there is no majority to trust. Each row is scaled down to the
+  smaller norm of the two before the mean of the capped weights, so neither side can outweigh the other: a
+  member sending -1000x its gradient can cancel its partner's step, not reverse or blow it up. Callers
+  report the rule used.
 """
 
 from __future__ import annotations
@@ -34,15 +42,20 @@ ROBUST_MIN_MEMBERS = 3
 class Combined:
     """What one rule did to one chunk: ``kept[i]`` is member row i's kept fraction (1.0 if untouched),
     ``weights[i]`` the weight it was given after capping. A rule whose result is a weighted sum of the rows
-    says with which ``coefficients`` (what a reducer publishes so members can check its average); centered_clip
-    also gives its ``medoid`` and the ``gram`` matrix of the rows minus the medoid's, which its coefficients
-    follow from (:func:`clip_coefficients`)."""
+    says with which ``coefficients`` (what a reducer publishes so members can check its average). Where they
+    follow from numbers only the reducer holds, it gives those too, for the distinct rows (all rows but copies):
+    centered_clip its ``medoid`` (a position among them) and the ``gram`` matrix of those rows minus the
+    medoid's (:func:`clip_coefficients`); the norm-equalized mean their squared ``norms``
+    (:func:`equalized_coefficients`). ``same_as[i]``: the first row identical to row i (i if none), None when
+    every row is distinct; a copy's coefficient is 0."""
 
     kept: list[float]
     weights: list[float]
     coefficients: list[float] | None = None
     medoid: int = 0
     gram: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+    same_as: list[int] | None = None
 
 
 def cap_weights(claims: list[float], max_ratio: float) -> list[float]:
@@ -145,8 +158,8 @@ def _clip(
         gc = gram @ coefficients
         squared = (gram.diagonal() - 2 * gc + coefficients @ gc).clamp_min(0)
         # tau follows the spread around the current estimate, not around the medoid: from the medoid, the
-        # nearest member sets the scale and (3 members) the other honest one was clipped in most rounds of an LM
-        # run, +1.7% final loss; around the estimate every honest member sits near the median distance.
+        # nearest member sets the scale, so in a group of 3 the other honest member is clipped in most rounds;
+        # around the estimate every honest member sits near the median distance.
         # Members left out (weight 0) still count here: tau must not shrink because an outlier was dropped.
         tau = radius * sorted(float(s) for s in squared)[(n - 1) // 2] ** 0.5
         if tau <= 0.0 or not math.isfinite(tau):
@@ -172,16 +185,71 @@ def trimmed_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) ->
     return Combined([float(c) / numel for c in kept_counts], weights)
 
 
+def equalized_coefficients(squared_norms: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """The coefficients of the capped-weight mean of rows each scaled down to the smallest row norm (float64):
+    what :func:`equalized_mean` applies, and what a member recomputes from a reducer's published norms."""
+    w = torch.tensor(weights, dtype=torch.float64)
+    return _scales(squared_norms) * w / w.sum()
+
+
+def _scales(squared_norms: torch.Tensor) -> torch.Tensor:
+    norms = squared_norms.clamp_min(0).sqrt()
+    return torch.clamp(norms.min() / norms.clamp_min(1e-300), max=1.0)
+
+
+def equalized_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor, gram: torch.Tensor) -> Combined:
+    """The weighted mean of ``rows`` each scaled down to the smallest row norm (``gram``: their Gram matrix)."""
+    norms = gram.diagonal().clone()
+    coefficients = equalized_coefficients(norms, weights)
+    torch.mv(rows.t(), coefficients.to(rows.dtype), out=out)
+    return Combined([float(s) for s in _scales(norms)], weights, coefficients.tolist(), norms=norms)
+
+
+def distinct(rows: torch.Tensor, gram: torch.Tensor) -> list[int]:
+    """Per row, the index of the first row identical to it (its own index if none: a distinct row), ``gram``
+    being the rows' Gram matrix, whose distances pick the pairs worth comparing in full: within float32's
+    rounding of a Gram entry, far closer than two members' gradients ever are. Identical means ``torch.equal``:
+    exactly, so whoever holds the rows finds the same copies."""
+    norms = gram.diagonal()
+    first: list[int] = []
+    for i in range(rows.shape[0]):
+        close = [j for j in range(i) if first[j] == j
+                 and float(norms[i] + norms[j] - 2 * gram[i, j]) <= 1e-4 * float(norms[i] + norms[j])]
+        first.append(next((j for j in close if torch.equal(rows[i], rows[j])), i))
+    return first
+
+
 def combine(
     rule: str, rows: torch.Tensor, claims: list[float], out: torch.Tensor, max_weight_ratio: float,
     clip_radius: float, clip_iterations: int,
 ) -> Combined:
     """Applies ``rule`` ('mean', 'centered_clip' or 'trimmed_mean') to ``rows`` with capped ``claims``."""
-    weights = cap_weights(claims, max_weight_ratio)
-    if rule == "mean" or rows.shape[0] < ROBUST_MIN_MEMBERS:
-        return weighted_mean(rows, weights, out)
+    if rule == "mean":
+        return weighted_mean(rows, cap_weights(claims, max_weight_ratio), out)
+    if rule not in ("centered_clip", "trimmed_mean"):
+        raise ValueError(f"unknown aggregation rule {rule!r}")
+    gram = (rows @ rows.t()).double()
+    first = distinct(rows, gram)
+    kept = [i for i, f in enumerate(first) if f == i]
+    if len(kept) == rows.shape[0]:
+        return _robust(rule, rows, cap_weights(claims, max_weight_ratio), out, gram, clip_radius, clip_iterations)
+    weights = cap_weights([claims[i] for i in kept], max_weight_ratio)
+    index = torch.tensor(kept)
+    result = _robust(rule, rows.index_select(0, index), weights, out, gram[index][:, index], clip_radius,
+                     clip_iterations)
+    fraction, weight, coefficients = [0.0] * len(first), [0.0] * len(first), [0.0] * len(first)
+    for position, i in enumerate(kept):
+        fraction[i], weight[i] = result.kept[position], result.weights[position]
+        if result.coefficients is not None:
+            coefficients[i] = result.coefficients[position]
+    return Combined(fraction, weight, coefficients if result.coefficients is not None else None, result.medoid,
+                    result.gram, result.norms, first)
+
+
+def _robust(rule: str, rows: torch.Tensor, weights: list[float], out: torch.Tensor, gram: torch.Tensor,
+            clip_radius: float, clip_iterations: int) -> Combined:
+    if rows.shape[0] < ROBUST_MIN_MEMBERS:
+        return equalized_mean(rows, weights, out, gram)
     if rule == "centered_clip":
         return centered_clip(rows, weights, out, clip_radius, clip_iterations)
-    if rule == "trimmed_mean":
-        return trimmed_mean(rows, weights, out)
-    raise ValueError(f"unknown aggregation rule {rule!r}")
+    return trimmed_mean(rows, weights, out)

@@ -101,7 +101,7 @@ class AllReducer:
         averages this peer codes as a reducer, the second quantization every element goes through.
         ``out`` (same shape, not overlapping ``flat``) receives the average and is returned; a caller that
         averages every step passes the same buffer each time, since a fresh model-sized tensor costs a page
-        fault per 4 KiB on every round (page faults were ~10% of the CPU samples of a 4-peer round on 2 cores).
+        fault per 4 KiB on every round.
         Raises GroupFailed only if this peer is not a member.
         """
         codec_config = codec_config or self.config.codec

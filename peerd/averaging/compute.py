@@ -1,11 +1,11 @@
 """Where the per-chunk tensor work of a round (coding, adding, averaging) runs.
 
-A chunk of the default size (2^19 elements) takes 0.1-0.5 ms to code: less than handing it to a worker thread
-and back costs. Every hand-off also makes the event loop's thread and the worker threads fight over the GIL,
-since torch releases and retakes it around each small op; with several chunks in flight that showed up as a
-fifth of a round's CPU time in futex waits (perf), on machines where the peers already share the cores.
-So chunks up to ``INLINE_MAX_NUMEL`` elements are worked on in the event loop itself, where a chunk blocks
-other streams for at most about a millisecond; larger ones still go to a thread.
+Coding a chunk of the default size (2^19 elements) takes less time than handing it to a worker thread and back.
+Every hand-off also makes the event loop's thread and the worker threads fight over the GIL, since torch
+releases and retakes it around each small op, and with several chunks in flight those waits add up to a large
+share of a round's CPU, on machines where the peers already share the cores (the measurements are on the
+benchmarks page, "All-reduce"). So chunks up to ``INLINE_MAX_NUMEL`` elements are worked on in the event loop
+itself, where a chunk blocks other streams for about a millisecond at most; larger ones still go to a thread.
 """
 
 from __future__ import annotations

@@ -4,10 +4,16 @@ For round key ``K`` (run, model fingerprint, step, kind), each ready peer stores
 ``K`` with its peer id as subkey. The peer with the earliest registration (ties: smallest id) is the
 leader: once the window after its own registration has passed, or as many peers as expected are in, it
 splits the peers whose registrations it has received, in registration order, into groups of at most
-``target_group_size`` and stores them under the subkey ``groups:<its peer id>``. A published decision is
-final: every registrant that reads one takes it (among several, the one of the earliest registered leader),
-so every member acts on the same list. A peer left in no group, or in one below ``min_group_size``, raises
+``target_group_size`` and replaces its registration with that decision. A published decision is final:
+every registrant that reads one takes it (among several, the one of the earliest registered leader), so
+every member acts on the same list. A peer left in no group, or in one below ``min_group_size``, raises
 GroupFailed.
+
+Nothing a member writes is believed because it wrote it (``decisions.py``): implausible registration times
+are dropped, and a decision whose groups are not the split of its members is refused and its author
+skipped. A leader that does not decide in time (it left, or it never will) is skipped too: the next
+registrant leads, and later rounds skip it from the start for ``SKIP_SECONDS`` (it still averages in them),
+so a member that registers early and never decides costs one round a delay, not every round.
 
 The window stretches with the DHT's speed (6 times the median of this peer's recent request times, up to
 ``max_matchmaking_window``): on a busy swarm a follower's registration takes several requests to arrive, and a
@@ -20,14 +26,12 @@ another's, rather than to measure and correct offsets (a DHT round trip of unkno
 estimate, and every member would have to agree on it). ``t`` only orders registrations, which every reader
 sees alike; the window is timed by the leader on its own monotonic clock from its own registration; the
 groups hold what the leader had received when it closed, not the registrations whose ``t`` fell before a
-cut-off (a peer 2 s ahead used to land past the leader's window and average in no round); and because
+cut-off (a cut-off on ``t`` would leave a peer whose clock is ahead past every leader's window, averaging in no
+round); and because
 decisions are final, a peer whose clock is behind, registering after a decision, cannot make itself a
 second leader with an earlier ``t``. So a skewed peer is grouped exactly as if its clock were right, at any
-offset; only its place in the order moves.
-
-Every entry is signed by the peer its subkey names (``peerd.swarm.signing``), so nobody can register for
-another peer, and a decision is taken only from a registered peer: stored under its own subkey, it cannot
-be overwritten by anyone else. Entries that fail validation are ignored, counted and logged.
+offset; only its place in the order moves. (The plausibility check compares times only within bounds wider
+than any offset the DHT admits.)
 """
 
 from __future__ import annotations
@@ -35,46 +39,60 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Annotated
+from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from peerd.averaging.decisions import PENDING, Entry, decision_problem, leader, ordered, split
 from peerd.averaging.group import Group
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
-from peerd.swarm.clock import MAX_CLOCK_OFFSET
+from peerd.swarm.clock import MAX_CLOCK_OFFSET, round_lifetime
 from peerd.swarm.node import SwarmNode, now
-from peerd.swarm.records import PeerIdStr
 
 logger = logging.getLogger(__name__)
 
-GROUPS_PREFIX = "groups:"
 POLL_INTERVAL = 0.1  # the first poll's delay; each next one is POLL_BACKOFF times longer, up to window/5
 POLL_BACKOFF = 1.5
 POLLS_PER_WINDOW = 5
 # A follower's registration lands up to ~5 DHT request times after the leader's: the leader's progress record
 # (stored beside its registration), the follower's progress pause (2) and read, then its own registration.
 WINDOW_PER_LATENCY = 6.0
-_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
-
-
-class _Registration(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    t: float = Field(ge=0, allow_inf_nan=False)
-
-
-class _Groups(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    peer_id: PeerIdStr  # the leader, who signed the decision
-    groups: list[Annotated[list[PeerIdStr], Field(min_length=1, max_length=64)]] = Field(max_length=1024)
+# Two peers' clocks may each be MAX_CLOCK_OFFSET off the peer they bootstrapped from, so twice that apart.
+CLOCK_SPREAD = 2 * MAX_CLOCK_OFFSET
+SKIP_SECONDS = 300.0  # a leader that did not decide leads no round of this peer's for this long
+MAX_SKIPPED = 256
+MAX_FALLBACKS = 3  # leaders a round falls back to after the first did not decide, before it gives up
 
 
 def group_id(key: str, members: tuple[str, ...]) -> str:
     digest = hashlib.sha256("\n".join(members).encode()).hexdigest()[:12]
     return f"{key}/{digest}"
+
+
+@dataclass
+class _Round:
+    """What this peer knows of one round key while it waits for the round's decision."""
+
+    key: str
+    registered_at: float  # our DHT time
+    started: float  # our monotonic time
+    window: float
+    patience: float  # how long the first leader gets to decide, from `started`
+    times: dict[str, float] = field(default_factory=dict)  # every registration read
+    plausible: set[str] = field(default_factory=set)  # those whose time this peer believes: who may lead
+    decisions: dict[str, list[list[str]]] = field(default_factory=dict)
+    stalled: set[str] = field(default_factory=set)  # leaders this round no longer waits for or believes
+    leading_since: dict[str, float] = field(default_factory=dict)  # candidate leader -> when we started waiting
+
+    def deadline(self, candidate: str) -> float:
+        """When ``candidate`` must have decided: the first leader by our patience, a fallback soon after it
+        took over (its window is long over by then)."""
+        since = self.leading_since.setdefault(candidate, time.monotonic())
+        return max(self.started + self.patience, since + self.patience - self.window)
 
 
 class Matchmaker:
@@ -83,6 +101,7 @@ class Matchmaker:
         self.swarm = swarm
         self.config = config
         self.clock = clock
+        self.skipped: OrderedDict[str, float] = OrderedDict()  # leader -> monotonic time its skip ends
 
     async def form_group(self, key: str, expected_peers: int, window: float | None = None) -> Group:
         """Registers for round ``key`` and returns this peer's group; ``expected_peers`` lets the leader
@@ -106,42 +125,48 @@ class Matchmaker:
         me = self.swarm.peer_id
         limit = max(base, self.config.max_matchmaking_window)
         registered_at, started = self.clock(), time.monotonic()
-        # others judge this expiration on their clocks, which may be up to MAX_CLOCK_OFFSET ahead of ours
-        lifetime = limit + self.config.round_timeout + 10.0 + MAX_CLOCK_OFFSET
+        lifetime = round_lifetime(self.config, base)
         await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
         window = self.window(base)  # after our own store, which the DHT's latency counts
-        target = max(2, min(expected_peers, self.config.target_group_size * 64))
         # the leader may have waited up to `limit`, measured from a registration before ours
-        deadline = started + limit + self.config.join_timeout + 2.0
-        poll = POLL_INTERVAL
+        state = _Round(key, registered_at, started, window, limit + self.config.join_timeout + 2.0)
+        target = max(2, min(expected_peers, self.config.target_group_size * 64))
+        poll, fallbacks = POLL_INTERVAL, 0
         while True:
-            entries, decisions = await self._read(key)
-            entries.setdefault(me, registered_at)  # our own store may not be readable yet
-            published = _final(entries, decisions)
-            if published is not None:
+            await self._read(state)
+            state.times.setdefault(me, registered_at)  # our own store may not be readable yet
+            state.plausible.add(me)
+            groups = self._final(state)
+            if groups is not None:
                 break
-            leader = _leader(entries)
-            window_over = time.monotonic() >= started + window
-            if leader == me and (window_over or len(entries) >= target):
-                published = self._split(me, entries)
-                await self.swarm.store(key, GROUPS_PREFIX + me, published.model_dump(), registered_at + lifetime)
+            candidates = {p: state.times[p] for p in state.plausible
+                          if p == me or p not in state.stalled and not self._skipping(p)}
+            first = leader(candidates)
+            if first == me and (time.monotonic() >= started + window or len(state.times) >= target):
+                groups = await self._decide(state, lifetime)
                 break
-            if time.monotonic() > deadline:
-                raise GroupFailed(f"no group decision for {key} within {deadline - started:.1f}s "
-                                  f"(leader {leader} did not publish one)")
+            if first != me and time.monotonic() > state.deadline(first):
+                fallbacks += 1
+                self._skip(first, f"{key}: leader {first} did not decide within "
+                                  f"{time.monotonic() - state.leading_since[first]:.1f}s")
+                state.stalled.add(first)
+                if fallbacks > MAX_FALLBACKS:
+                    raise GroupFailed(f"no group decision for {key} within {time.monotonic() - started:.1f}s "
+                                      f"({fallbacks} leaders did not decide: {sorted(state.stalled)})")
+                continue
             # polling the DHT, which has no change notifications; every poll of every waiting peer is a lookup
             # that returns all registrations, so polls thin out while a round waits
             await asyncio.sleep(poll)
             poll = min(poll * POLL_BACKOFF, max(POLL_INTERVAL, window / POLLS_PER_WINDOW))
         # every expected peer that does not average in this round may come to the latecomers' one
-        averaging = sum(len(members) for members in published.groups if len(members) >= self.config.min_group_size)
+        averaging = sum(len(members) for members in groups if len(members) >= self.config.min_group_size)
         latecomers = max(2, expected_peers - averaging)
-        for members in published.groups:
+        for members in groups:
             if me in members:
                 if len(members) < self.config.min_group_size:
                     raise _Late(f"group for {key} has {len(members)} member(s), below min_group_size", latecomers)
-                ordered = tuple(members)
-                return Group(group_id(key, ordered), ordered)
+                ordered_members = tuple(members)
+                return Group(group_id(key, ordered_members), ordered_members)
         raise _Late(f"{key}: registered too late, the leader's groups do not include this peer (its window "
                     f"was {window:.1f}s here)", latecomers)
 
@@ -152,40 +177,89 @@ class Matchmaker:
         slow = WINDOW_PER_LATENCY * self.swarm.latency.median()
         return min(max(base, self.config.max_matchmaking_window), max(base, slow))
 
-    def _split(self, me: str, entries: dict[str, float]) -> _Groups:
-        peers = sorted(entries, key=lambda peer: (entries[peer], peer))
-        size = self.config.target_group_size
-        chunks = [peers[i : i + size] for i in range(0, len(peers), size)]
-        # A last group too small to average is merged into the previous one rather than left alone.
-        if len(chunks) > 1 and len(chunks[-1]) < self.config.min_group_size:
-            chunks[-2].extend(chunks.pop())
-        # Registration time picks who is grouped together; within a group, a member's rank (the span it
-        # reduces, and so where the error-feedback residual of that span's averages stays) follows its peer
-        # id, so the same peers get the same spans round after round.
-        return _Groups(peer_id=me, groups=[sorted(chunk) for chunk in chunks])
+    async def _decide(self, state: _Round, lifetime: float) -> list[list[str]]:
+        """Splits the plausible registrants this round still believes and publishes that (replacing our
+        registration). Having passed over an earlier registrant, reads once more: a decision it published
+        meanwhile is the one every reader takes, so it is ours too."""
+        me = self.swarm.peer_id
+        included = {p: state.times[p] for p in state.plausible if p not in state.stalled}
+        groups = split(ordered(included), self.config.target_group_size, self.config.min_group_size)
+        await self.swarm.store(state.key, me, {"peer_id": me, "t": state.registered_at, "groups": groups},
+                               state.registered_at + lifetime + 1e-3)
+        if leader({p: state.times[p] for p in state.plausible}) != me:
+            state.decisions[me] = groups
+            await self._read(state)
+            return self._final(state) or groups
+        return groups
 
-    async def _read(self, key: str) -> tuple[dict[str, float], dict[str, _Groups]]:
-        """Registrations (peer id -> time) and decisions (leader -> groups), each signed by the peer its
-        subkey names (the swarm node checked that)."""
+    def _final(self, state: _Round) -> list[list[str]] | None:
+        """The groups of the earliest registered peer that published a decision this peer can take, if any:
+        the same for every reader of the same entries (two leaders publish only in a race, or when one took
+        over from a leader that did not decide). A decision that fails its checks is refused, counted and
+        its author skipped; one naming a registration not read yet waits for the next read, until its author's
+        deadline."""
+        for decider in ordered({p: state.times[p] for p in state.decisions if p in state.times}):
+            if decider in state.stalled:
+                continue
+            problem = decision_problem(state.decisions[decider], state.times, self.config.target_group_size,
+                                       self.config.min_group_size)
+            if problem is None:
+                self.skipped.pop(decider, None)  # it decides again: no reason to pass it over
+                return state.decisions[decider]
+            if problem == PENDING and time.monotonic() <= state.deadline(decider):
+                return None  # the earliest decision comes first, once its registrations are in
+            state.stalled.add(decider)
+            self._skip(decider, f"{state.key}: refused the decision of {decider}: {problem}")
+            self.swarm.drop("bad_decision", ProtocolViolation(f"matchmaking decision of {decider} under "
+                                                              f"{state.key}: {problem}", peer_id=decider))
+        return None
+
+    def _skipping(self, peer: str) -> bool:
+        until = self.skipped.get(peer)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self.skipped[peer]
+            return False
+        return True
+
+    def _skip(self, peer: str, why: str) -> None:
+        logger.warning("%s; it leads none of this peer's rounds for %.0fs", why, SKIP_SECONDS)
+        self.skipped[peer] = time.monotonic() + SKIP_SECONDS
+        self.skipped.move_to_end(peer)
+        while len(self.skipped) > MAX_SKIPPED:
+            self.skipped.popitem(last=False)
+
+    async def _read(self, state: _Round) -> None:
+        """Reads the round's entries (each signed by the peer its subkey names: the swarm node checked that)
+        into ``state``: registration times within what this peer finds plausible, and decisions."""
         try:
-            found = await self.swarm.read_subkeys(key)
+            found = await self.swarm.read_subkeys(state.key)
         except PeerdError as e:
-            logger.debug("Matchmaking read of %s failed: %s", key, e)
-            return {}, {}
-        entries: dict[str, float] = {}
-        decisions: dict[str, _Groups] = {}
+            logger.debug("Matchmaking read of %s failed: %s", state.key, e)
+            return
+        limit = max(self.config.matchmaking_window, self.config.max_matchmaking_window)
+        earliest = state.registered_at - (limit + self.config.join_timeout + CLOCK_SPREAD + 1.0)
+        latest = self.clock() + CLOCK_SPREAD + 1.0
         for subkey, value in found.items():
             try:
-                if subkey.startswith(GROUPS_PREFIX):
-                    decision = _Groups.model_validate(value)
-                    decisions[decision.peer_id] = decision
-                elif _PEER_ID.fullmatch(subkey):
-                    entries[subkey] = _Registration.model_validate(value).t
+                entry = Entry.model_validate(value)
             except ValidationError as e:
                 self.swarm.drop("malformed", ProtocolViolation(
-                    f"malformed matchmaking entry {subkey[:140]!r} under {key}: {e.errors()[0]['msg']}",
+                    f"malformed matchmaking entry {subkey[:140]!r} under {state.key}: {e.errors()[0]['msg']}",
                     peer_id=subkey[-128:]))
-        return entries, decisions
+                continue
+            # an implausible time still makes its author a registrant (a leader may group it: its bounds differ
+            # from ours), but never the leader, and never in our own decision
+            if earliest <= entry.t <= latest:
+                state.plausible.add(subkey)
+            elif subkey not in state.times:  # counted once per round
+                self.swarm.drop("implausible_time", ProtocolViolation(
+                    f"matchmaking entry of {subkey} under {state.key} registered at {entry.t:.1f}, outside "
+                    f"{earliest:.1f}..{latest:.1f} on this peer's clock", peer_id=subkey))
+            state.times[subkey] = entry.t
+            if entry.groups is not None:
+                state.decisions[subkey] = entry.groups
 
 
 class _Late(GroupFailed):
@@ -195,15 +269,3 @@ class _Late(GroupFailed):
     def __init__(self, message: str, latecomers: int) -> None:
         super().__init__(message)
         self.latecomers = latecomers
-
-
-def _leader(entries: dict[str, float]) -> str:
-    return min(entries, key=lambda peer: (entries[peer], peer))
-
-
-def _final(entries: dict[str, float], decisions: dict[str, _Groups]) -> _Groups | None:
-    """The decision of the earliest registered peer that published one, if any: the same for every reader of
-    the same entries. Two leaders publish only in a race (the later one had not yet received the earlier
-    one's registration); a decision by a peer that did not register for the round is ignored."""
-    deciders = [peer for peer in decisions if peer in entries]
-    return decisions[_leader({peer: entries[peer] for peer in deciders})] if deciders else None

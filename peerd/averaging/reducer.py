@@ -9,8 +9,8 @@ chunk; its carried quantization residual is kept within half a codec step of the
 can bound how far an honest coded average may be from the exact one.
 
 With ``averaging.aggregation: mean`` each chunk's running sum lives in the caller's result slice and starts
-when the chunk is first touched, so a round does no span-sized work before its first chunk leaves (that was
-30-80 ms of idle uplink per round). A robust rule keeps every member's decoded chunk instead and combines
+when the chunk is first touched, so a round does no span-sized work before its first chunk leaves (the
+uplink would sit idle meanwhile). A robust rule keeps every member's decoded chunk instead and combines
 them once all are in (robust.py): the rule needs them together, and combining in rank order makes the result
 independent of arrival order."""
 
@@ -149,7 +149,7 @@ class SpanReducer:
             average = self.out[start:end]
             members, combined = self.robust.combine(index, included, end - start, average)
             self.weights[index] = sum(combined.weights)
-            self.record.combined(index, members, combined.coefficients, combined.medoid, combined.gram)
+            self.record.combined(index, members, combined.coefficients, combined)
         else:
             members = [m for m in self.group.members if m in included]
             claims = [self.claims[m] for m in members]

@@ -29,7 +29,7 @@ def rule_label(config: AveragingConfig, members: int) -> str:
     if config.aggregation == "mean":
         return "mean"
     if members < ROBUST_MIN_MEMBERS:
-        return f"mean of capped weights ({config.aggregation} needs {ROBUST_MIN_MEMBERS}+ members)"
+        return f"norm-equalized mean ({config.aggregation} needs {ROBUST_MIN_MEMBERS}+ members)"
     return config.aggregation
 
 

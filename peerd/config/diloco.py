@@ -15,9 +15,15 @@ class DilocoConfig(Section):
 
     inner_steps: int = Field(
         default=100, ge=1,
-        description="H: inner optimizer steps (one micro-batch each) per peer per phase. A phase ends when the "
+        description="H: inner optimizer steps (of accumulate micro-batches each) per peer per phase. A phase ends "
+        "when the "
         "trainers in it have taken H steps each on average (phase_end: swarm) or when each has taken exactly "
         "H (phase_end: lockstep).",
+    )
+    accumulate: int = Field(
+        default=1, ge=1, le=4096,
+        description="Micro-batches whose gradients each inner step sums (gradient accumulation: a larger inner "
+        "batch than fits in memory at once). A phase is inner_steps x accumulate micro-batches per peer.",
     )
     phase_end: Literal["swarm", "lockstep"] = Field(
         default="swarm",

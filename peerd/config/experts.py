@@ -9,13 +9,16 @@ from pydantic import Field, model_validator
 from peerd.config.base import Section
 
 EXPERT_UID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}$"
+# of a host's DHT record (at most 32 KiB in all, peerd.swarm.signing.MAX_PAYLOAD), what its uids may take
+MAX_ANNOUNCED_UID_BYTES = 16 * 1024
 
 
 class ExpertsConfig(Section):
     """Experts this peer serves to the swarm's remote mixture-of-experts layers (section absent: none).
 
     Served uids are ``uid_prefix + str(i)`` for ``i`` in ``first_index .. first_index + count - 1``, or the
-    explicit ``uids`` list. One host per uid: two hosts announcing the same uid overwrite each other's record.
+    explicit ``uids`` list. One host per uid: a caller keeps the host it routes a uid to while that host
+    announces it, and routes a uid that two hosts announce when it first sees them to neither.
     """
 
     uid_prefix: str = Field(
@@ -73,6 +76,11 @@ class ExpertsConfig(Section):
             raise ValueError("experts.record_ttl must exceed experts.announce_period: raise record_ttl")
         if self.uids is not None and len(set(self.uids)) != len(self.uids):
             raise ValueError("experts.uids lists an expert twice: remove the duplicate")
+        announced = sum(len(uid) + 3 for uid in self.served_uids)
+        if announced > MAX_ANNOUNCED_UID_BYTES:
+            raise ValueError(f"experts: the served uids take {announced} bytes of the host's DHT record, more than "
+                             f"{MAX_ANNOUNCED_UID_BYTES}: serve fewer experts on this host (experts.count, experts.uids) "
+                             "or give them shorter uids")
         if self.max_request_tokens > self.max_queued_tokens:
             raise ValueError("experts.max_request_tokens exceeds experts.max_queued_tokens: lower it")
         return self

@@ -20,14 +20,27 @@ def _default_roles() -> list[Role]:
 
 
 class StreamLimits(Section):
-    """What one peer, member or not, can make this daemon hold for the streams it opens to us."""
+    """What one peer, member or not, can make this daemon hold for the streams it opens to us.
+
+    A stream from a peer that has not yet proven membership to this one waits for its handshake in a small
+    pool of its own (``max_unproven_streams``, ``unproven_handshake_timeout``) and takes a member's slot
+    (``max_streams``) only once its proof checked out, so strangers cannot take members' slots."""
 
     handshake_timeout: float = Field(
-        default=10.0, gt=0, description="Seconds a stream's membership handshake may take, either side.")
+        default=10.0, gt=0, description="Seconds a stream's membership handshake may take, either side, for a "
+        "peer that proved its membership to this one before.")
     max_streams_per_peer: int = Field(
-        default=64, ge=1, description="Streams one remote peer may have open to us at once (all protocols); "
-        "more are refused as busy before anything is read.")
-    max_streams: int = Field(default=1024, ge=1, description="Inbound streams open at once, from all peers.")
+        default=64, ge=1, description="Streams one member may have open to us at once (all protocols); more "
+        "are refused as busy.")
+    max_streams: int = Field(default=1024, ge=1, description="Inbound streams of members open at once.")
+    max_unproven_streams_per_peer: int = Field(
+        default=4, ge=1, description="Streams one peer that has not proven membership to us yet may have "
+        "waiting for their handshake at once; more are refused as busy before anything is read.")
+    max_unproven_streams: int = Field(
+        default=64, ge=1, description="Streams of all such peers waiting for their handshake at once.")
+    unproven_handshake_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds a peer that has not proven membership to us yet has to finish "
+        "a stream's handshake.")
     max_pending_bytes_per_peer: int = Field(
         default=256 * 2**20, ge=2**20, description="Bytes of frames one peer may have us receiving at once "
         "(announced lengths of frames being read); a frame beyond it ends that stream.")
@@ -39,6 +52,10 @@ class StreamLimits(Section):
         if self.max_streams < self.max_streams_per_peer:
             raise ValueError(f"swarm.streams.max_streams ({self.max_streams}) is below "
                              f"swarm.streams.max_streams_per_peer ({self.max_streams_per_peer}): raise max_streams")
+        if self.max_unproven_streams < self.max_unproven_streams_per_peer:
+            raise ValueError(f"swarm.streams.max_unproven_streams ({self.max_unproven_streams}) is below "
+                             f"swarm.streams.max_unproven_streams_per_peer ({self.max_unproven_streams_per_peer}): "
+                             "raise max_unproven_streams")
         return self
 
 
@@ -100,9 +117,10 @@ class SwarmConfig(Section):
     request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
     dht_host: Literal["auto", "daemon", "child"] = Field(
         default="auto",
-        description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process and "
-        "~20 MiB fewer). child: in hivemind's own child process, whose answers to other peers never wait on "
-        "this daemon. auto: on the loop for a light peer (no training, no experts), else in the child.",
+        description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process fewer, and "
+        "torch is loaded only for training or experts). child: in hivemind's own child process, whose answers to "
+        "other peers never wait on this daemon. auto: on the loop for a light peer (no training, no experts), "
+        "else in the child.",
     )
     lookup_beam: int = Field(
         default=10, ge=5, le=64,

@@ -10,7 +10,7 @@ slot and open circuits, member of the swarm or not. And p2pd always runs libp2p'
 well (128 KiB and two minutes per circuit); the configured one (``serve``, :class:`RelayLimits`) replaces it
 once AutoNAT finds the peer reachable. peerd's membership handshake still guards every peerd
 stream that crosses a circuit, so a stranger gains nothing from the swarm through a relay; what a stranger
-can take is the relay's bandwidth, and :class:`RelayLimits` bounds that (README, "Peers behind NAT").
+can take is the relay's bandwidth, and :class:`RelayLimits` bounds that (docs/networking.md, "Peers behind NAT").
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ class CodecConfig(Section):
 
     block_size: int = Field(
         default=128, ge=8, le=65536,
-        description="Elements per absmax-scaled block; 128 with bf16 scales is 1.016 bytes per element and a "
-        "relative error of 6.5e-3 on Gaussian data (benchmarks/bench_codec.py has the sweep).",
+        description="Elements per absmax-scaled block. Each block carries its own bf16 scale (2 bytes; at 128 "
+        "that is 1.016 bytes per element): smaller blocks follow the values more closely and cost more bytes.",
     )
     min_compress_numel: int = Field(
         default=4096, ge=0, description="Tensors with fewer elements are sent as fp16 instead of 8-bit."
@@ -37,8 +37,11 @@ class AveragingConfig(Section):
     """Group formation and the all-reduce of gradients and parameters."""
 
     codec: CodecConfig = Field(default_factory=lambda: CodecConfig())
-    target_group_size: int = Field(default=4, ge=2, le=64, description="Members per averaging group, at most.")
-    min_group_size: int = Field(default=2, ge=2, description="Fewer ready peers than this: step alone.")
+    target_group_size: int = Field(
+        default=4, ge=2, le=64, description="Members per averaging group, at most. Must match across the swarm: "
+        "members refuse a leader's groups that are not split by it.")
+    min_group_size: int = Field(
+        default=2, ge=2, description="Fewer ready peers than this: step alone. Must match across the swarm.")
     matchmaking_window: float = Field(
         default=1.5, gt=0, description="Seconds the first ready peer waits for others before the group is fixed "
         "(at least: it waits longer while the DHT answers slowly, up to max_matchmaking_window).",
@@ -66,22 +69,21 @@ class AveragingConfig(Section):
         "deviation from the group's center is clipped to clip_radius times the median deviation) and "
         "'trimmed_mean' (robust: per coordinate the highest and lowest quarter are dropped) cap claimed "
         "weights (max_weight_ratio) and need every member's chunk before combining it; groups of 2 have no "
-        "majority, so they average with capped weights. 'mean' trusts every member: the weighted mean of "
+        "majority, so each row is scaled to the smaller norm of the two before the capped-weight mean. 'mean' trusts every member: the weighted mean of "
         "the claimed weights, summed as chunks arrive. The reducer decides; members apply its result.",
     )
     max_weight_ratio: float = Field(
         default=1.0, ge=1.0, allow_inf_nan=False,
         description="Robust aggregation: a member's claimed weight (samples) counts at most this many times "
-        "the group's (lower) median claim. 1: nobody outweighs the median member; an attacker's clipped "
-        "contribution pulls the result by its weight share, so 2 let a -1000x attacker slow training 4-70x "
-        "more than 1 did (README, 'Robust averaging').",
+        "the group's (lower) median claim. 1: nobody outweighs the median member. An attacker's clipped "
+        "contribution pulls the result by its weight share, so a larger ratio lets one that claims many "
+        "samples pull it further.",
     )
     clip_radius: float = Field(
         default=2.0, gt=0, allow_inf_nan=False,
         description="centered_clip: clip each deviation from the center to this many times the median "
-        "distance of the members from it. Smaller clips honest members too (1.5 cost 20% of an honest LM "
-        "round's average at worst, 2 under 3%); larger lets an attacker pull further (README, 'Robust "
-        "averaging').",
+        "distance of the members from it. Smaller clips honest members' contributions too, which shrinks "
+        "the steps of honest rounds; larger lets an attacker pull further.",
     )
     clip_iterations: int = Field(
         default=3, ge=1, le=50, description="centered_clip: fixed-point iterations per chunk."
@@ -145,6 +147,14 @@ class StateTransferConfig(Section):
     max_transfers: int = Field(
         default=4, ge=1, le=64,
         description="Transfers a donor serves at once, all from one snapshot of its state; more are told busy.",
+    )
+    vouchers: int = Field(
+        default=1, ge=0, le=64,
+        description="Members besides the donor that must publish the same digest of a state before a joiner "
+        "loads it, and the number of other members beyond one that must be ahead before a peer believes "
+        "it is behind. k defends against k members that lie together (with an allowlist; a swarm secret "
+        "alone lets one attacker mint any number of members). A peer that sees k or fewer other members "
+        "needs all of them. 0: one donor's word is enough (docs: security).",
     )
 
 
@@ -256,6 +266,11 @@ class TrainingConfig(Section):
                              "max_steps (or export a checkpoint with `peerd export`)")
         if self.resume and self.checkpoint.directory is None:
             raise ValueError("training.resume needs training.checkpoint.directory: set it (or drop --resume)")
+        if self.mode == "sync" and self.sync_state_on_join and self.state_averaging_every == 0:
+            raise ValueError(
+                "training.sync_state_on_join loads a state that members agree on, which sync mode makes by "
+                "state averaging: set training.state_averaging_every (e.g. 10), or sync_state_on_join: false"
+            )
         if self.progress_ttl <= self.progress_period:
             raise ValueError("training.progress_ttl must exceed training.progress_period: raise progress_ttl")
         if self.samples_per_step is not None and self.lockstep_timeout <= self.progress_period:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from peerd.config import LoggingConfig
 
-if TYPE_CHECKING:  # imported when a line goes live: 4 MiB and 45 modules a daemon in a pipe does not need
+if TYPE_CHECKING:  # imported when a line goes live: a daemon in a pipe does not need rich's modules in memory
     from rich.console import Console
     from rich.live import Live
 

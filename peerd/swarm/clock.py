@@ -9,7 +9,10 @@ any offset it admits:
   share (``peerd.averaging.matchmaking`` orders registrations by their times but cuts a round by what the
   leader has received, on the leader's clock only);
 - expirations written by a peer whose clock is behind look up to ``MAX_CLOCK_OFFSET`` shorter to the
-  others, so a TTL must outlast its refresh period by that much (:func:`ttl_margin_problems`).
+  others, so a TTL must outlast its refresh period by that much (:func:`ttl_margin_problems`);
+- expirations written by a peer whose clock is ahead look up to ``MAX_CLOCK_OFFSET`` longer, so a reader
+  caps how far ahead a value may expire at its key's TTL plus that much (:func:`record_lifetimes`), and no
+  further: a record stored to expire in 30 years would outlive its author.
 
 Beyond the tolerance the DHT refuses the join; :func:`clock_skew_error` turns hivemind's refusal into a
 :class:`~peerd.errors.ClockSkewError` that names the measured offset and the fix.
@@ -22,10 +25,11 @@ from collections.abc import Iterable
 
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
-from peerd.config import PeerdConfig
+from peerd.config import AveragingConfig, ExpertsConfig, PeerdConfig, SwarmConfig, TrainingConfig
 from peerd.errors import ClockSkewError
+from peerd.swarm.signing import RecordLifetimes, key_id
 
-__all__ = ["MAX_CLOCK_OFFSET", "clock_skew_error", "ttl_margin_problems"]
+__all__ = ["MAX_CLOCK_OFFSET", "clock_skew_error", "record_lifetimes", "round_lifetime", "ttl_margin_problems"]
 
 MAX_CLOCK_OFFSET: float = float(MAX_DHT_TIME_DISCREPANCY_SECONDS)
 
@@ -76,3 +80,26 @@ def ttl_margin_problems(config: PeerdConfig) -> list[str]:
         for ttl_name, ttl, period_name, period in ttls
         if ttl - period < MAX_CLOCK_OFFSET
     ]
+
+
+def round_lifetime(averaging: AveragingConfig, window: float) -> float:
+    """Seconds a matchmaking entry (a registration, a decision) lives: as long as a round can wait for its
+    group and run, judged by readers whose clocks may be ``MAX_CLOCK_OFFSET`` ahead of its writer's."""
+    return max(window, averaging.max_matchmaking_window) + averaging.round_timeout + 10.0 + MAX_CLOCK_OFFSET
+
+
+def record_lifetimes(run_name: str, swarm: SwarmConfig, averaging: AveragingConfig | None = None,
+                     training: TrainingConfig | None = None, experts: ExpertsConfig | None = None
+                     ) -> RecordLifetimes:
+    """How far ahead a value under each of this run's keys may expire: the TTL peers store it with (from
+    this peer's config, defaults for the sections it lacks: the swarm must agree on them), plus the clock
+    tolerance. Keys not named here are matchmaking's round keys."""
+    averaging, training = averaging or AveragingConfig(), training or TrainingConfig()
+    window = max(averaging.matchmaking_window, training.diloco.matchmaking_window)
+    return RecordLifetimes(
+        default=round_lifetime(averaging, window),
+        by_key={key_id(f"{run_name}.peers"): swarm.record_ttl,
+                key_id(f"{run_name}.progress"): training.progress_ttl,
+                key_id(f"{run_name}.experts"): (experts or ExpertsConfig()).record_ttl},
+        tolerance=MAX_CLOCK_OFFSET,
+    )

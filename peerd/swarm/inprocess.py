@@ -2,8 +2,8 @@
 
 A trainer keeps hivemind's DHT in a child process (``process.py``), so that DHT traffic never waits on the
 Python work of a training step. A light peer has no such work, and the child costs it memory: forked from a
-daemon that imported torch, it copies ~19 MiB of the pages it shares with the daemon as it touches them, and
-every request crosses a pipe. Here the same ``DHTNode`` (hivemind's, with the same options and validators)
+daemon that imported torch, it copies the pages it shares with the daemon as it touches them, and every
+request crosses a pipe. Here the same ``DHTNode`` (hivemind's, with the same options and validators)
 runs beside the daemon's tasks instead, with the surface of ``hivemind.DHT`` that ``SwarmNode`` uses.
 
 p2pd is then the daemon's own child, which needs what the DHT child gave it: a process group of its own, so

@@ -1,7 +1,7 @@
 """How long this peer's DHT requests take lately, so waits that span a DHT round trip can scale with it.
 
-On an idle machine or a LAN a store or a read answers in milliseconds; with 32 trainers on 2 cores, or across
-continents, in a second or more. A wait sized for the first (matchmaking's window) closes before the others'
+On an idle machine or a LAN a store or a read answers in milliseconds; with many busy peers on few cores, or
+across continents, in a second or more. A wait sized for the first (matchmaking's window) closes before the others'
 registrations arrive in the second. Timed-out requests count at the timeout: at least that slow.
 """
 

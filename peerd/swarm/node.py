@@ -1,15 +1,14 @@
 """This peer's place in the swarm: hivemind's DHT (Kademlia over libp2p/p2pd) plus the peer-record API.
 
 A trainer runs hivemind's DHT in a child process that owns p2pd (``process.py`` detaches it and ties it to
-our lifetime); a light peer runs the same DHT node on its own event loop (``inprocess.py``). Every value
-stored is signed and every value read is verified (``signing.py``).
+our lifetime); a light peer runs the same DHT node on its own event loop (``inprocess.py``); ``bootstrap.py``
+starts either. Every value stored is signed and every value read is verified (``signing.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -17,34 +16,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hivemind.dht.protocol import ValidationError as DHTValidationError
-from hivemind.p2p import P2PDaemonError
 from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.config import SwarmConfig
-from peerd.errors import BootstrapError, DaemonError, IdentityError, ProtocolViolation, TransportError
-from peerd.swarm.clock import clock_skew_error
+from peerd.errors import DaemonError, IdentityError, ProtocolViolation, TransportError
+from peerd.log import RateLimitedLog
+from peerd.swarm.bootstrap import short_error, start_with_retries
+from peerd.swarm.clock import record_lifetimes
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.latency import LatencyWindow
-from peerd.swarm.process import IsolatedDHT
-from peerd.swarm.reach import Reachability, free_loopback_port, p2pd_options
+from peerd.swarm.reach import Reachability, free_loopback_port
 from peerd.swarm.records import PeerRecord, parse_record
-from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
-from peerd.swarm.validator import SignedRecordValidator, node_drop_counts
+from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
+from peerd.swarm.validator import node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from peerd.swarm.process import IsolatedDHT
 
-# peerd reads every key for its latest value (records, progress, round keys), which a local cache never
-# answers, so hivemind's caching only costs: after each read it stores the whole dictionary on the nearest node
-# that lacked it, and re-reads cached keys shortly before they expire. Off, 32 light peers on one machine
-# sent 3.5x fewer bytes, used 1.4 cores instead of 1.9 and reached a full view in 4 s instead of 27
-# (docs/scaling.md).
-NO_DHT_CACHE = {"cache_locally": False, "cache_nearest": 0, "cache_refresh_before_expiry": 0, "cache_on_store": False}
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,8 @@ class SwarmNode:
     """
 
     def __init__(self, config: SwarmConfig, run_name: str, dht: IsolatedDHT | InProcessDHT, signer: RecordSigner,
-                 membership: Membership, reach: Reachability, ephemeral_dir: Path | None = None) -> None:
+                 membership: Membership, reach: Reachability, lifetimes: RecordLifetimes,
+                 ephemeral_dir: Path | None = None) -> None:
         self.config = config
         self.reach = reach
         self.run_name = run_name
@@ -69,10 +64,10 @@ class SwarmNode:
         self.peer_id = str(dht.peer_id)
         self.signer = signer
         self.membership = membership
-        self.verifier = RecordVerifier(membership)
+        self.verifier = RecordVerifier(membership, lifetimes)
         self._ephemeral_dir = ephemeral_dir
         self._last_expiration = 0.0
-        self._dropped_logged_at: dict[str, float] = {}
+        self._log_dropped = RateLimitedLog(logger)  # status requests read the DHT often: one line a minute per peer
         self.latency = LatencyWindow()  # of stores and reads: matchmaking sizes its window by it
 
     @property
@@ -81,16 +76,18 @@ class SwarmNode:
 
     @classmethod
     async def create(cls, config: SwarmConfig, run_name: str, membership: Membership | None = None,
-                     in_process: bool = False) -> SwarmNode:
+                     in_process: bool = False, lifetimes: RecordLifetimes | None = None) -> SwarmNode:
         """Starts p2pd and the DHT, retrying the bootstrap with backoff; raises BootstrapError when done.
 
         ``in_process``: the DHT runs on this event loop (``inprocess.py``, for a light peer) rather than in
-        hivemind's child process.
+        hivemind's child process. ``lifetimes``: how far ahead values may expire, by key
+        (``clock.record_lifetimes`` of the whole config; default: of ``config`` and the other sections' defaults).
 
         Without ``swarm.identity_path`` the peer gets a fresh key in a private temporary directory (removed
         at shutdown): the daemon needs the key itself, to sign its records.
         """
         membership = membership or Membership()
+        lifetimes = lifetimes or record_lifetimes(run_name, config)
         ephemeral_dir = None
         identity_path = config.identity_path
         if identity_path is None:
@@ -106,8 +103,8 @@ class SwarmNode:
                 raise IdentityError(f"cannot read identity file {identity_path}: {e.strerror or e}",
                                     path=identity_path) from e
             metrics_port = config.relay.metrics_port or free_loopback_port()
-            dht = await cls._start_with_retries(config, identity_path, fresh, membership, metrics_port,
-                                                in_process)
+            dht = await start_with_retries(config, identity_path, fresh, membership, lifetimes, metrics_port,
+                                           in_process)
             if str(dht.peer_id) != signer.peer_id:
                 await dht.close()
                 raise DaemonError(f"p2pd runs as {dht.peer_id} but the identity key is {signer.peer_id}")
@@ -115,69 +112,8 @@ class SwarmNode:
             if ephemeral_dir is not None:
                 shutil.rmtree(ephemeral_dir, ignore_errors=True)
             raise
-        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), ephemeral_dir)
-
-    @classmethod
-    async def _start_with_retries(cls, config: SwarmConfig, identity_path: Path, fresh_identity: bool,
-                                  membership: Membership, metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
-        delay = config.bootstrap_retry_delay
-        last_error: Exception | None = None
-        for attempt in range(1, config.bootstrap_attempts + 1):
-            try:
-                return await cls._start_dht(config, identity_path, fresh_identity, membership, metrics_port,
-                                            in_process)
-            except DHTValidationError as e:  # an initial peer answered but refused us: retrying cannot help
-                raise clock_skew_error(e, config.initial_peers) or BootstrapError(
-                    f"an initial peer refused this one: {_short(e)}", addresses=list(config.initial_peers)) from e
-            # RuntimeError: hivemind's "DHTNode bootstrap failed: none of the initial_peers responded to a ping",
-            # which a busy initial peer (64 daemons starting on 2 cores) gives as readily as a missing one
-            except (P2PDaemonError, TimeoutError, OSError, RuntimeError) as e:
-                last_error = e
-                if not config.initial_peers:
-                    raise DaemonError(f"could not start p2pd/DHT: {e}") from e
-                logger.warning(
-                    "Bootstrap attempt %d/%d failed: %s", attempt, config.bootstrap_attempts, _short(e)
-                )
-                if attempt < config.bootstrap_attempts:
-                    await asyncio.sleep(delay)  # backoff between real connection attempts, not a sync wait
-                    delay *= 2
-        tried = ", ".join(config.initial_peers)
-        raise BootstrapError(
-            f"could not reach any initial peer after {config.bootstrap_attempts} attempts (tried: {tried}). "
-            f"Check that the peer is running, that the address (including /p2p/<peer id>) matches its ready "
-            f"line or `peerd status`, and that its port is reachable from here. Last error: {_short(last_error)}",
-            addresses=list(config.initial_peers),
-        )
-
-    @staticmethod
-    async def _start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bool, membership: Membership,
-                         metrics_port: int, in_process: bool) -> IsolatedDHT | InProcessDHT:
-        relay_kwargs, p2pd_flags = p2pd_options(config, metrics_port)
-        kwargs: dict[str, Any] = {
-            **relay_kwargs,
-            "host_maddrs": list(config.host_maddrs),
-            "startup_timeout": config.startup_timeout,
-            "wait_timeout": config.request_timeout,
-            "nat_port_map": config.nat_port_map,
-            "identity_path": str(identity_path),
-            # a key generated a moment ago is nobody else's: skip hivemind's probe of the swarm for it
-            "check_if_identity_free": not fresh_identity,
-            **NO_DHT_CACHE,
-        }
-        if config.announce_maddrs:
-            kwargs["announce_maddrs"] = list(config.announce_maddrs)
-        validators = [SignedRecordValidator(membership)]
-        if in_process:
-            return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
-        dht = IsolatedDHT(initial_peers=list(config.initial_peers), start=False, p2pd_flags=p2pd_flags,
-                          record_validators=validators, **kwargs)
-        dht.run_in_background(await_ready=False)
-        try:  # blocking the loop is fine here: nothing else runs on it before the swarm is up
-            dht.wait_until_ready(timeout=config.startup_timeout)
-        except BaseException:
-            dht.shutdown()
-            raise
-        return dht
+        return cls(config, run_name, dht, signer, membership, Reachability(config, metrics_port), lifetimes,
+                   ephemeral_dir)
 
     def visible_maddrs(self) -> list[str]:
         """Our addresses as of the last reachability refresh (a relay slot adds a relayed one later)."""
@@ -240,7 +176,8 @@ class SwarmNode:
             try:
                 opened = self.verifier.open(key_bytes, subkey, getattr(entry, "value", None), expiration)
             except ProtocolViolation as e:
-                self._log_dropped(str(e.context.get("peer_id", subkey)), e)
+                self._log_dropped(str(e.context.get("peer_id", subkey)), logging.WARNING,
+                                  "Dropping invalid record: %s", e)
                 continue
             entries[subkey] = (opened.payload, expiration)
         return entries
@@ -248,7 +185,8 @@ class SwarmNode:
     def drop(self, reason: str, error: ProtocolViolation) -> None:
         """Counts and logs a record a reader refused after its signature checked out (e.g. a bad payload)."""
         self.verifier.count(reason)
-        self._log_dropped(str(error.context.get("peer_id", "unknown")), error)
+        self._log_dropped(str(error.context.get("peer_id", "unknown")), logging.WARNING, "Dropping invalid record: %s",
+                          error)
 
     async def dropped_records(self) -> dict[str, int]:
         """Records refused, by reason: by this daemon's readers plus by its DHT node (stores and answers)."""
@@ -287,15 +225,8 @@ class SwarmNode:
         try:
             return int(await asyncio.wait_for(asyncio.wrap_future(future), timeout * 4))
         except (TimeoutError, OSError, RuntimeError) as e:
-            logger.warning("Re-bootstrap did not finish: %s", _short(e))
+            logger.warning("Re-bootstrap did not finish: %s", short_error(e))
             return 0
-
-    def _log_dropped(self, peer: str, error: ProtocolViolation) -> None:
-        # Status requests read the DHT often; one bad peer must not flood the log.
-        last = self._dropped_logged_at.get(peer, -math.inf)
-        if time.monotonic() - last >= 60.0:
-            self._dropped_logged_at[peer] = time.monotonic()
-            logger.warning("Dropping invalid record: %s", error)
 
     async def shutdown(self) -> None:
         started = time.monotonic()
@@ -305,11 +236,6 @@ class SwarmNode:
             if self._ephemeral_dir is not None:
                 shutil.rmtree(self._ephemeral_dir, ignore_errors=True)
         logger.info("DHT and p2pd stopped in %.2fs", time.monotonic() - started)
-
-
-def _short(error: BaseException | None) -> str:
-    text = str(error) if error else "unknown"
-    return text.strip().splitlines()[-1][:300] if text.strip() else type(error).__name__
 
 
 def now() -> float:

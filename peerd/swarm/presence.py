@@ -41,7 +41,7 @@ class Presence:
     async def publish(self) -> None:
         try:
             await self.swarm.publish(self.record())
-        except PeerdError as e:  # a busy swarm (64 peers on 2 cores) can time a store out: retried next tick
+        except PeerdError as e:  # a busy swarm can time a store out: retried next tick
             logger.warning("Could not refresh our peer record: %s", e)
 
     async def refresh(self) -> None:

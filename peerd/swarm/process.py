@@ -35,7 +35,7 @@ class IsolatedDHT(DHT):  # type: ignore[misc]  # hivemind ships no type informat
 
     def start(self) -> None:
         # Fork shares the daemon's pages with the child until either writes to them, and a garbage collection
-        # writes to every object it visits (torch's and hivemind's modules: ~60 MiB of Python objects). Frozen
+        # writes to every object it visits (torch's and hivemind's modules are many of them). Frozen
         # objects are never visited, so those pages stay shared; they are import-time objects that live for
         # the whole process anyway.
         gc.collect()

@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 CIRCUIT = "/p2p-circuit"
 _UNREACHABLE_WARNING_AFTER = 30.0  # seconds a private peer may look for a relay before it says so loudly
-# p2pd serves ~70 KB of metrics (860 series at 64 peers) and prometheus_client's parser is pure Python: parsing
-# all of it on every refresh took 12% of a light peer's daemon at 64 peers. Only the relay service's lines count.
+# p2pd's metrics grow with the swarm (a series per peer and protocol) and prometheus_client's parser is pure
+# Python: parsing all of them on every refresh costs a large swarm's light peers a good share of their CPU. Only
+# the relay service's lines count.
 _RELAY_LINES = re.compile(r"^(?:# (?:HELP|TYPE) )?libp2p_relaysvc_.*$", re.MULTILINE)
 
 

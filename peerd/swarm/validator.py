@@ -11,30 +11,29 @@ Its rejections are counted where the DHT node runs and fetched by the daemon wit
 from __future__ import annotations
 
 import logging
-import math
-import time
 
 from hivemind.dht import DHTNode
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from peerd.errors import ProtocolViolation
-from peerd.swarm.signing import RecordVerifier
+from peerd.log import RateLimitedLog
+from peerd.swarm.signing import RecordLifetimes, RecordVerifier
 from peerd.wire.membership import Membership
 
 __all__ = ["SignedRecordValidator", "node_drop_counts"]
 
 logger = logging.getLogger(__name__)
 
-LOG_EVERY = 60.0
 
 
 class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind ships no type information
     """Accepts only values that :class:`RecordVerifier` opens; every peerd value has a subkey."""
 
-    def __init__(self, membership: Membership) -> None:
-        self.verifier = RecordVerifier(membership)
-        self._logged_at: dict[str, float] = {}
+    def __init__(self, membership: Membership, lifetimes: RecordLifetimes) -> None:
+        self.verifier = RecordVerifier(membership, lifetimes)
+        # a stranger's node answers every lookup with its junk, under peer ids it mints at will
+        self._log = RateLimitedLog(logger)
 
     def validate(self, record: DHTRecord) -> bool:
         try:
@@ -45,21 +44,15 @@ class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivem
         if not isinstance(subkey, str):
             # peerd stores every value under a subkey: a plain value or a non-text subkey is not ours
             self.verifier.count("malformed")
-            self._log("unknown", "a value without a text subkey")
+            self._log("unknown", logging.WARNING, "DHT refused a record: a value without a text subkey")
             return False
         try:
             self.verifier.open(record.key, subkey, value, record.expiration_time)
         except ProtocolViolation as e:
-            self._log(str(e.context.get("peer_id", "unknown")), e.message)
+            self._log(str(e.context.get("peer_id", "unknown")), logging.WARNING, "DHT refused a record: %s",
+                      e.message[:500])
             return False
         return True
-
-    def _log(self, peer: str, message: str) -> None:
-        # a stranger's node answers every lookup with its junk: one line a minute per peer is enough
-        last = self._logged_at.get(peer, -math.inf)
-        if time.monotonic() - last >= LOG_EVERY:
-            self._logged_at[peer] = time.monotonic()
-            logger.warning("DHT refused a record: %s", message[:500])
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return False

@@ -41,8 +41,9 @@ SHORTFALL = 0.75  # a view smaller than this fraction of the largest reported on
 MIN_GAP = 2  # ... if it also misses at least this many peers (small swarms: one record may just be late)
 CONFIRM = 3  # consecutive checks a suspicion must hold before the peer warns and re-bootstraps
 MAX_BACKOFF = 300.0  # seconds between re-bootstraps at most, while the view stays partial
-# Seconds between checks at least. A read of all records costs O(swarm size) bytes from each node asked (8 peers:
-# +35 KiB/s per peer at every 2 s tick, measured), and a split brain is a lasting state, not a passing one.
+# Seconds between checks at least. A read of all records costs O(swarm size) bytes from each node asked, which
+# at every status tick would add up to a large share of a peer's traffic; and a split brain is a lasting state,
+# not a passing one.
 CHECK_PERIOD = 10.0
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from peerd.errors import ConfigError
 
 if TYPE_CHECKING:
-    from peerd.experts import ExpertClient
+    from peerd.experts.client import ExpertClient
 
 __all__ = [
     "OPTIONS_FIELD",

@@ -11,7 +11,7 @@ files; that changes their data, never the model.
 ``ffn_factory(d_model, d_ff)``, so a mixture-of-experts variant can reuse everything else unchanged.
 
 The MoE variant (option ``moe``, a :class:`~peerd.config.MoEConfig`) replaces the feed-forward of blocks
-``moe.layers`` with a :class:`~peerd.experts.RemoteMoE` whose experts are served by peers; the daemon lends the
+``moe.layers`` with a :class:`~peerd.experts.client.RemoteMoE` whose experts are served by peers; the daemon lends the
 layers its expert client through :class:`~peerd.tasks.base.TaskRuntime`. The model's own parameters are
 then the router's, never the experts'.
 """
@@ -251,7 +251,7 @@ class LMTask(Task):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
         moe = self.options.moe
         if moe is not None and model.training and moe.aux_loss_weight > 0:
-            from peerd.experts import RemoteMoE
+            from peerd.experts.client import RemoteMoE
 
             aux = [m.last_aux_loss for m in model.modules() if isinstance(m, RemoteMoE)]
             loss = loss + moe.aux_loss_weight * torch.stack(aux).sum()
@@ -266,7 +266,7 @@ def _build_model(options: LMOptions, ffn_factory: FFNFactory, runtime: TaskRunti
         options.d_model, options.n_layers, options.n_heads, options.d_ff, options.seq_len, ffn_factory
     )
     if options.moe is not None:
-        from peerd.experts import RemoteMoE
+        from peerd.experts.client import RemoteMoE
 
         client = runtime.experts if runtime is not None else None
         for layer in options.moe_layers:

@@ -48,7 +48,7 @@ class LocalModel:
         self.device = resolve_device(config.device)
         self.precision = config.precision
         if self.device.type != "cpu":
-            from peerd.experts import RemoteMoE  # only models with remote experts need it
+            from peerd.experts.client import RemoteMoE  # only models with remote experts need it
 
             if any(isinstance(m, RemoteMoE) for m in task.model.modules()):
                 raise ConfigError(

@@ -36,11 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 def share(config: TrainingConfig, batch_size: int) -> int | None:
-    """This peer's exact samples per step in lockstep (diloco's ``phase_end: lockstep``: inner_steps
-    micro-batches a phase), checked to be whole micro-batches; None outside lockstep."""
+    """This peer's exact samples per step in lockstep (diloco's ``phase_end: lockstep``: inner_steps times
+    accumulate micro-batches a phase), checked to be whole micro-batches; None outside lockstep."""
     samples = config.samples_per_step
     if config.mode == "diloco" and config.diloco.phase_end == "lockstep":
-        samples = config.diloco.inner_steps * batch_size
+        samples = config.diloco.inner_steps * config.diloco.accumulate * batch_size
     if samples is not None:
         micro_batches_per_step(samples, batch_size)
     return samples

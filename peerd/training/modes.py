@@ -19,6 +19,7 @@ import torch
 
 from peerd.config import TrainingConfig
 from peerd.training.checkpoint import Checkpointer
+from peerd.training.evidence import Evidence
 from peerd.training.local import LocalModel
 from peerd.training.progress import SwarmProgress
 from peerd.training.report import TrainingReport
@@ -38,6 +39,7 @@ class Host(Protocol):
     local: LocalModel
     report: TrainingReport
     rounds: RoundRunner
+    evidence: Evidence  # what of the others' progress claims this trainer believes
     checkpointer: Checkpointer | None
     prefix: str  # of every round key: run name and task fingerprint
     peer_id: str
@@ -49,6 +51,8 @@ class Host(Protocol):
     async def validate(self) -> None: ...
     async def checkpoint(self) -> None: ...
     async def average_state(self, step: int) -> None: ...
+    async def agreed(self, step: int) -> None: ...  # a round left the group on the same state: it is served
+    def alone(self) -> bool: ...  # no other member in view
 
 
 class Mode(ABC):
@@ -82,13 +86,21 @@ class Mode(ABC):
     def load_averaged_state(self, flat: torch.Tensor) -> None:
         """Loads :meth:`averaged_state`'s layout back."""
 
+    @abstractmethod
+    def averaged_numel(self) -> int:
+        """Elements of :meth:`averaged_state`, without building it."""
+
+    def load_agreed(self, flat: torch.Tensor) -> None:
+        """Loads a state the group agreed on (:meth:`averaged_state`'s layout) that a joiner downloaded."""
+        self.load_averaged_state(flat)
+
     def template(self) -> Template:
         """The names, shapes and dtypes of a training state of this mode."""
         return self.host.local.template()
 
-    def capture(self, step: int, for_joiner: bool = False) -> TrainingState:
-        """CPU copies of the state at ``step`` (the caller holds the step lock). ``for_joiner``: the state a
-        joiner starts from, which in diloco differs from what a checkpoint keeps."""
+    def capture(self, step: int, shared: bool = False) -> TrainingState:
+        """CPU copies of the state at ``step`` (the caller holds the step lock). ``shared``: the model as the
+        swarm shares it (diloco: the shared parameters, not this peer's mid-phase ones), as an export writes it."""
         return TrainingState(step, self.host.local.export_state())
 
     def restore(self, state: TrainingState) -> None:
@@ -113,8 +125,8 @@ class SyncMode(Mode):
 
     def batch_complete(self, view: SwarmProgress) -> bool:
         h = self.host
-        others = [p for peer, p in view.peers.items() if p.step == h.step and peer != h.peer_id]
-        return h.samples + sum(p.samples for p in others) >= h.config.target_batch_size
+        samples, _ = h.evidence.counted_samples(view, h.step, h.samples)
+        return samples >= h.config.target_batch_size
 
     async def end_step(self, expected: int) -> None:
         h = self.host
@@ -162,3 +174,6 @@ class SyncMode(Mode):
 
     def load_averaged_state(self, flat: torch.Tensor) -> None:
         self.host.local.load_flat_state(flat)
+
+    def averaged_numel(self) -> int:
+        return sum(t.numel() for t in self.host.local.state_tensors())

@@ -2,7 +2,10 @@
 
 Records live under ``<run_name>.progress`` (subkey = peer id, signed by that peer: ``peerd.swarm.signing``),
 expire after ``progress_ttl``, and carry the model fingerprint, so a peer with another model or config in the same run is seen, named and refused
-rather than failing later with a shape error inside an all-reduce.
+rather than failing later with a shape error inside an all-reduce. A record also names the state its author
+agreed on with its group (:class:`StateClaim`), which others vouch for by naming the same one.
+
+A record is its author's claim: :mod:`peerd.training.evidence` decides what of it this peer believes.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from peerd.config import TrainingConfig
 from peerd.errors import PeerdError, ProtocolViolation
@@ -44,6 +47,19 @@ def progress_pause(config: TrainingConfig, dht_latency: float) -> float:
     return max(config.progress_period, min(PROGRESS_PER_LATENCY * dht_latency, config.progress_ttl / 4))
 
 
+MAX_COUNT = 2**62  # steps and samples: far above any run, and what msgpack and every peer's int64 hold
+
+
+class StateClaim(BaseModel):
+    """The state a trainer holds a copy of and serves to joiners: the one it last agreed on with a group
+    (:mod:`peerd.training.transfer.digest`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    step: int = Field(ge=0, le=MAX_COUNT, description="The step the state is at.")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="Its root digest (sha256, hex).")
+
+
 class ProgressRecord(BaseModel):
     """``peerd.v1.Progress``: one trainer's position in training."""
 
@@ -51,12 +67,19 @@ class ProgressRecord(BaseModel):
 
     peer_id: PeerIdStr
     fingerprint: str = Field(pattern=r"^[0-9a-f]{8,64}$", description="Hash of task, options, seed, model.")
-    step: int = Field(ge=0, description="Optimizer steps this peer has applied (the global step it is at).")
-    samples: int = Field(ge=0, description="Samples accumulated towards the next step.")
+    step: int = Field(ge=0, le=MAX_COUNT, description="Optimizer steps this peer has applied (the global step it is at).")
+    samples: int = Field(ge=0, le=MAX_COUNT, description="Samples accumulated towards the next step.")
     samples_per_second: float = Field(ge=0, allow_inf_nan=False, description="Recent local throughput.")
     time: float = Field(ge=0, allow_inf_nan=False, description="DHT time of publication.")
     # Optional, so records of peers that predate it stay valid; lockstep mode orders group members by it.
     shard: int | None = Field(default=None, ge=0, description="The data shard this peer reads.")
+    state: StateClaim | None = Field(default=None, description="The state this peer serves to joiners.")
+
+    @model_validator(mode="after")
+    def _check_state(self) -> ProgressRecord:
+        if self.state is not None and self.state.step > self.step:
+            raise ValueError(f"state.step ({self.state.step}) is ahead of step ({self.step})")
+        return self
 
 
 @dataclass
@@ -65,10 +88,8 @@ class SwarmProgress:
 
     peers: dict[str, ProgressRecord] = field(default_factory=dict)
     foreign: dict[str, str] = field(default_factory=dict)  # peer id -> its (different) fingerprint
-
-    @property
-    def max_step(self) -> int:
-        return max((p.step for p in self.peers.values()), default=0)
+    # peer id -> its last record seen at the step before its current one (what it had when it moved on)
+    previous: dict[str, ProgressRecord] = field(default_factory=dict)
 
     def samples_at(self, step: int) -> int:
         return sum(p.samples for p in self.peers.values() if p.step == step)
@@ -92,25 +113,29 @@ class ProgressTracker:
         self.shard = shard
         self.view = SwarmProgress()
         self._warned: dict[str, float] = {}
-        self._published: tuple[int, int] | None = None  # (step, samples) of the last stored record
+        self.claim: StateClaim | None = None  # the state this peer serves, published with its progress
+        # (step, samples, claim) of the last stored record
+        self._published: tuple[int, int, StateClaim | None] | None = None
         self._published_at = -math.inf  # time.monotonic() of that store
 
     async def publish(self, step: int, samples: int, samples_per_second: float, if_changed: bool = False) -> None:
-        """Stores this peer's record; ``if_changed``: only if step or samples moved since the last one, or it
-        is a quarter of the TTL old (a trainer waiting in a round has nothing new to say)."""
+        """Stores this peer's record; ``if_changed``: only if step, samples or claim changed since the last one,
+        or it is a quarter of the TTL old (a trainer waiting in a round has nothing new to say)."""
         fresh = time.monotonic() - self._published_at < self.ttl / 4
-        if if_changed and fresh and self._published == (step, samples):
+        claim = self.claim if self.claim is not None and self.claim.step <= step else None
+        if if_changed and fresh and self._published == (step, samples, claim):
             return
         record = ProgressRecord(
             peer_id=self.swarm.peer_id, fingerprint=self.fingerprint, step=step, samples=samples,
-            samples_per_second=round(max(0.0, samples_per_second), 3), time=now(), shard=self.shard,
+            samples_per_second=round(max(0.0, samples_per_second), 3), time=now(), shard=self.shard, state=claim,
         )
         try:
-            await self.swarm.store(self.key, self.swarm.peer_id, record.model_dump(), record.time + self.ttl)
+            await self.swarm.store(self.key, self.swarm.peer_id, record.model_dump(exclude_none=True),
+                                   record.time + self.ttl)
         except PeerdError as e:
             logger.warning("Could not publish training progress: %s", e)
             return
-        self._published, self._published_at = (step, samples), time.monotonic()
+        self._published, self._published_at = (step, samples, claim), time.monotonic()
 
     async def refresh(self) -> SwarmProgress:
         try:
@@ -140,6 +165,11 @@ class ProgressTracker:
                 )
             else:
                 view.peers[subkey] = record
+                before = self.view.peers.get(subkey)
+                if before is not None and before.step < record.step:
+                    view.previous[subkey] = before
+                elif subkey in self.view.previous and self.view.previous[subkey].step < record.step:
+                    view.previous[subkey] = self.view.previous[subkey]
         self.view = view
         return view
 

@@ -44,6 +44,7 @@ class TrainingReport:
     health: AveragingHealth = field(default_factory=AveragingHealth)  # are the rounds still averaging?
     group_sizes: dict[int, int] = field(default_factory=dict)  # gradient rounds by group size
     state_syncs: int = 0
+    state_sync_failures: int = 0  # attempts to load a vouched state that no donor could satisfy
     steps_refused: int = 0  # updates not applied: they would have made the model non-finite
     # diloco: inner steps taken in the current phase, and whether the last phase's outer round is in flight
     inner_steps: int = 0
@@ -56,6 +57,8 @@ class TrainingReport:
     transfers: Callable[[], dict[str, Any]] | None = None
     # peers this one excludes from averaging, and why (the all-reduce's ban list), read when reporting
     bans: Callable[[], dict[str, Any]] | None = None
+    # what this trainer believes of the others' claims (peerd.training.joining), read when reporting
+    claims: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round: dict[str, Any] | None = None
@@ -215,6 +218,7 @@ class TrainingReport:
             "averaging": self.health.as_dict(),
             "group_sizes": {str(size): count for size, count in sorted(self.group_sizes.items())},
             "state_syncs": self.state_syncs,
+            "state_sync_failures": self.state_sync_failures,
             "steps_refused": self.steps_refused,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
@@ -225,4 +229,5 @@ class TrainingReport:
             "round_durations": self.round_durations.as_dict(),
             "state_transfer": self.transfers() if self.transfers is not None else None,
             "banned_peers": self.bans() if self.bans is not None else {},
+            "claims": self.claims() if self.claims is not None else None,
         }

@@ -27,6 +27,9 @@ Template = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class TrainingState:
     step: int
     tensors: dict[str, torch.Tensor]  # CPU, dense, contiguous; insertion order is transfer order
+    # sha256 of each tensor's bytes, in order (:mod:`peerd.training.transfer.digest`): a donor announces them
+    # and a joiner checks each tensor against its digest; None: not known
+    digests: tuple[bytes, ...] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,8 @@ goes to a worker thread so the control endpoint answers while a step runs. One l
 alike; in diloco mode a phase of inner steps ends and its pseudo-gradient is averaged. In lockstep
 (:mod:`peerd.training.lockstep`) every peer contributes a fixed share to each step. Parameters and optimizer
 state are averaged losslessly every ``state_averaging_every`` steps so peers that missed a round converge back.
-A peer that finds the swarm ahead of it downloads the current state instead of training on stale parameters.
+A peer that a quorum of members is ahead of loads the state they vouch for (:mod:`peerd.training.joining`);
+what it believes of the others' claims is :mod:`peerd.training.evidence`'s to say.
 """
 
 from __future__ import annotations
@@ -21,21 +22,22 @@ from pathlib import Path
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
-from peerd.errors import ConfigError, PeerdError, StateError
+from peerd.errors import ConfigError, PeerdError
 from peerd.swarm.node import SwarmNode
 from peerd.tasks import Batch, Task
 from peerd.training import lockstep
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.diloco import DilocoMode
+from peerd.training.distrust import Distrust
+from peerd.training.evidence import Evidence
 from peerd.training.export import artifacts_directory, export_task_state, save_artifacts
 from peerd.training.health import AveragingHealth
+from peerd.training.joining import Joining
 from peerd.training.local import LocalModel
 from peerd.training.modes import Mode, SyncMode
 from peerd.training.progress import ProgressTracker, progress_pause, wait_unless_stopped
 from peerd.training.report import TrainingReport
 from peerd.training.rounds import RoundRunner
-from peerd.training.state import TrainingState
-from peerd.training.transfer.download import StateDownloader
 from peerd.training.transfer.server import StateServer
 from peerd.wire.guard import StreamGuard
 
@@ -72,15 +74,21 @@ class CollaborativeTrainer:
         self.step = 0
         self.samples = 0
         self.step_lock = asyncio.Lock()
+        distrust = Distrust()
+        robust = averaging.aggregation != "mean"
+        self.evidence = Evidence(self.peer_id, config.state_transfer.vouchers,
+                                 averaging.max_weight_ratio if robust else None, distrust,
+                                 lag_grace=config.progress_ttl)
         self.mode: Mode = DilocoMode(self) if config.mode == "diloco" else SyncMode(self)
         transfer = config.state_transfer
-        self.state_server = StateServer(guard, task.fingerprint, self._serve_state,
+        self.joining = Joining(self, guard, task.fingerprint, distrust)
+        self.state_server = StateServer(guard, task.fingerprint, self.joining.serve,
                                         max_transfers=transfer.max_transfers, stall_timeout=transfer.stall_timeout)
         self._template = self.mode.template()
-        self.downloader = StateDownloader(guard, task.fingerprint, self._template, config.max_state_bytes,
-                                          stall_timeout=transfer.stall_timeout)
-        self.report.transfers = lambda: {"download": self.downloader.status(), "serve": self.state_server.status()}
+        self.report.transfers = lambda: {"download": self.joining.downloader.status(),
+                                         "serve": self.state_server.status()}
         self.report.bans = self.reducer.bans.status
+        self.report.claims = self.joining.status
         self._batches: Iterator[Batch] = task.train_batches()
 
     async def start(self) -> None:
@@ -92,12 +100,14 @@ class CollaborativeTrainer:
         if self.checkpointer is not None:
             artifacts = artifacts_directory(self.checkpointer.directory, self.task.fingerprint)
             await asyncio.to_thread(save_artifacts, self.task, artifacts)
+        # the state every fresh peer starts from (the seed's), or a resumed one: served until a group agrees
+        await self.joining.agree(self.step, await asyncio.to_thread(self.mode.averaged_state))
         for server in (self.reducer, self.state_server):
             await server.start()
         await self.publish()
         await self.progress.refresh()
-        if self.config.sync_state_on_join and self.progress.view.max_step > self.step:
-            await self._sync_from_swarm()
+        if self.config.sync_state_on_join:
+            await self.joining.join()
         self.report.step = self.step
 
     async def stop(self) -> None:
@@ -120,11 +130,9 @@ class CollaborativeTrainer:
                 if self.lockstep is None or self.samples < self.lockstep:
                     self.report.state = "training"
                     await self._micro_step()
-                view = self.progress.view
-                behind = view.max_step > self.step + self.mode.ahead_ok and self.config.sync_state_on_join
-                # in lockstep a failed sync goes on to this step's round: its share is already complete
-                if behind and (await self._sync_from_swarm() or self.lockstep is None):
+                if self.config.sync_state_on_join and await self.joining.catch_up():
                     continue
+                view = self.progress.view
                 if self.lockstep is not None:
                     if self.samples >= self.lockstep:
                         self.report.state = "waiting"
@@ -136,7 +144,7 @@ class CollaborativeTrainer:
                             await self.mode.end_step(expected)
                     continue
                 if self.mode.batch_complete(view):
-                    await self.mode.end_step(expected=max(1, len(view.peers)))
+                    await self.mode.end_step(expected=self.evidence.peers_near(view, self.step))
         finally:
             publisher.cancel()
             self.mode.cancel()
@@ -161,8 +169,8 @@ class CollaborativeTrainer:
         while not stop.is_set() and len(self.progress.view.peers) < wanted:
             # the periodic publisher refreshes the view; re-check at its pace
             await wait_unless_stopped(stop, self.config.progress_period)
-        if self.progress.view.max_step > self.step and self.config.sync_state_on_join:
-            await self._sync_from_swarm()
+        if self.config.sync_state_on_join:
+            await self.joining.join()
 
     async def _micro_step(self) -> None:
         # off the loop: a task's data pipeline may read and tokenize files to make the next batch
@@ -222,61 +230,30 @@ class CollaborativeTrainer:
     async def average_state(self, step: int) -> None:
         """Averages, losslessly, what members must agree on (the mode says what: sync mode's parameters and
         optimizer slots, diloco's shared parameters and outer momentum)."""
-        group = await self.rounds.state_group(f"{self.prefix}.state.{step}", len(self.progress.view.peers))
+        if self.alone():
+            await self.agreed(step)
+            return
+        group = await self.rounds.state_group(f"{self.prefix}.state.{step}",
+                                              self.evidence.peers_near(self.progress.view, step))
         if group is None:
             return
         async with self.step_lock:
             averaged = await self.rounds.average_losslessly(group, self.mode.averaged_state())
             if averaged is not None:
                 self.mode.load_averaged_state(averaged)
+        if averaged is not None:  # the group's members hold these bits now (averaged is ours alone)
+            await self.joining.agree(step, averaged)
 
-    # --- state transfer ---------------------------------------------------------------------------------------
+    def alone(self) -> bool:
+        """No other member is in view: the state this trainer has is the swarm's, as far as anyone can tell."""
+        return not self.evidence.others(self.progress.view)
 
-    async def _serve_state(self) -> TrainingState | None:
-        """A copy of the state for a joiner. In diloco mode, once the round in flight (if any) has landed: the
-        joiner starts the current phase from the shared parameters that round produced."""
-        for _ in range(3):  # a new round may start while we wait for the lock; it lands within its timeouts
-            if not await self.mode.settled():
-                return None
-            async with self.step_lock:
-                if not self.mode.in_flight:
-                    return await asyncio.to_thread(self.mode.capture, self.step, True)
-        return None
-
-    async def _sync_from_swarm(self) -> bool:
-        """Loads the state of a peer ahead of us (resuming with another when one leaves mid-transfer); False if
-        none could provide it."""
-        def candidates() -> list[str]:
-            view = self.progress.view
-            ahead = [p for peer, p in view.peers.items() if peer != self.peer_id and p.step > self.step]
-            return [p.peer_id for p in sorted(ahead, key=lambda p: -p.step)]
-
-        async def refresh() -> list[str]:
-            await self.progress.refresh()
-            return candidates()
-
-        self.report.state = "syncing"
-        try:
-            state = await self.downloader.download(candidates(), refresh, min_step=self.step + 1)
-        except StateError as e:
-            logger.warning("Could not load state from any peer ahead of us; training on from step %d: %s",
-                           self.step, e)
-            return False
-        # a round in flight belongs to a phase the donor's state already contains; it may be applying its
-        # update right now (a thread that cannot be cancelled)
-        await self.mode.settled()
-        self.mode.cancel()
+    async def agreed(self, step: int) -> None:
+        """A round left this trainer's group on the same state (diloco's outer round), or it trains alone: the
+        state it holds is what it serves (a joiner that sees nobody else loads it)."""
         async with self.step_lock:
-            await asyncio.to_thread(self.mode.restore, state)
-            self.step, self.samples, self.report.inner_steps = state.step, 0, 0
-            self.local.drop_gradients()
-            self.local.forget_residuals()
-        self.report.record_traffic("state_sync", 0, state.nbytes)
-        self.report.step = self.step
-        self.report.state_syncs += 1
-        logger.info("Loaded training state at step %d from %s", state.step, ", ".join(self.downloader.bytes_from))
-        await self.publish()
-        return True
+            flat = await asyncio.to_thread(self.mode.averaged_state)
+        await self.joining.agree(step, flat)
 
     # --- progress ---------------------------------------------------------------------------------------------
 

@@ -1,8 +1,7 @@
 """What every peerd protocol shares, below averaging, experts and state transfer: length-prefixed frames with
 limits (frames.py), the 8-bit blockwise codec (codec.py, wire format ``protocols/codec.v1.md``) and error
-feedback around it (feedback.py)."""
+feedback around it (feedback.py), the membership handshake (membership.py, handshake.py, guard.py).
 
-from peerd.wire.codec import Scheme, decode, encode
-from peerd.wire.feedback import encode_with_feedback
+Import from the modules: the codec needs torch, which a light peer (frames and membership only) never loads."""
 
-__all__ = ["Scheme", "decode", "encode", "encode_with_feedback"]
+__all__: list[str] = []

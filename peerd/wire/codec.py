@@ -199,7 +199,7 @@ def decode(
     """Validates a payload from ``peer_id`` and returns the tensor, or raises :class:`CodecError`.
 
     ``out`` (contiguous, with the payload's shape and dtype) receives the result instead of a new tensor,
-    which saves the page faults of a fresh allocation (for 64 MiB, several times the cost of decoding). All
+    which saves the page faults of a fresh allocation (for a large tensor, more than the decoding costs). All
     validation happens before anything is written, so after a ``CodecError`` ``out`` is unchanged.
     """
     buf = memoryview(payload).cast("B")

@@ -62,9 +62,25 @@ async def write_frames(writer: asyncio.StreamWriter, frames: list[bytes | bytear
     parts: list[bytes | bytearray | memoryview] = []
     for data in frames:
         parts += (len(data).to_bytes(_LENGTH_BYTES, "little"), data)
+    transport = writer.transport
+    if transport.is_closing():
+        # What drain() raises once the loop has seen the loss. write() would drop the data; CPython 3.12's
+        # writelines() buffers it and can leave the closed socket registered with the selector, so that the
+        # next socket given its descriptor never reads (CPython gh-136234).
+        raise ConnectionResetError("Connection lost")
     writer.writelines(parts)
+    _pause_if_full(transport)
     await writer.drain()
     return sum(_LENGTH_BYTES + len(data) for data in frames)
+
+
+def _pause_if_full(transport: asyncio.WriteTransport) -> None:
+    """On CPython 3.12.0-3.12.8 and 3.13.0-3.13.1 the selector transport's writelines() never pauses the
+    protocol (CPython gh-127655): drain() returns at once, and a peer that reads nothing gets every frame
+    buffered here. Setting the same limits again makes any transport compare its buffer with them."""
+    low, high = transport.get_write_buffer_limits()
+    if transport.get_write_buffer_size() > high:
+        transport.set_write_buffer_limits(high, low)
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int, peer_id: str, what: str) -> bytes:

@@ -3,14 +3,20 @@
 Protocols register their handlers and open their streams here instead of on hivemind's P2P directly, so no
 protocol can forget the handshake or the limits. Refusals are counted by reason and logged with the peer
 id (at most once a minute per peer and reason: a stranger retrying must not flood the log).
+
+Two pools of inbound streams. A peer that proved its membership to this one before (``proven``, the most
+recent ``PROVEN_PEERS``; libp2p authenticates peer ids, so nobody else can use its id) takes a member's slot
+(``swarm.streams.max_streams``) for each stream, handshake included. Any other peer's stream waits for its
+handshake in the small pool of unproven streams, under a shorter deadline, and takes a member's slot only
+once its proof checked out: strangers, however many identities they mint, hold at most that pool, never the
+slots members use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,9 +24,10 @@ from hivemind.p2p import P2P, PeerID
 
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError, ProtocolViolation, RPCTimeout
+from peerd.log import RateLimitedLog
 from peerd.proto import peerd_membership_pb2 as pb
 from peerd.wire import handshake
-from peerd.wire.limits import PeerSlots, serving_budget
+from peerd.wire.limits import ByteBudget, PeerSlots, serving_budget
 from peerd.wire.membership import Membership
 
 __all__ = ["Handler", "StreamGuard"]
@@ -29,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 # A protocol's handler: (stream info, reader, writer), as hivemind calls it, run after the handshake.
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-LOG_EVERY = 60.0
+REFUSED_PEERS = 1024  # the most recently refused peers status remembers (a stranger mints peer ids at will)
+PROVEN_PEERS = 4096
 
 
 class StreamGuard:
@@ -40,10 +48,13 @@ class StreamGuard:
         self.peer_id = str(p2p.peer_id)
         self.slots = PeerSlots(limits.max_streams_per_peer, limits.max_streams, limits.max_pending_bytes_per_peer,
                                limits.max_pending_bytes)
+        # handshake messages are read under their own small limit, outside any byte budget
+        self.unproven = PeerSlots(limits.max_unproven_streams_per_peer, limits.max_unproven_streams, 0, 0)
+        self.proven: OrderedDict[str, None] = OrderedDict()  # peers that proved membership, newest last
         self.refused: Counter[str] = Counter()  # inbound streams refused, by reason
-        self.refused_peers: dict[str, str] = {}  # peer id -> its last refusal, for status (bounded below)
+        self.refused_peers: OrderedDict[str, str] = OrderedDict()  # peer id -> its last refusal, newest last
         self.accepted = 0
-        self._logged: dict[tuple[str, str], float] = {}
+        self._log = RateLimitedLog(logger, size=4096)
 
     # --- serving ----------------------------------------------------------------------------------------------
 
@@ -56,27 +67,25 @@ class StreamGuard:
     async def remove_handler(self, name: str) -> None:
         await self.p2p.remove_binary_stream_handler(name)
 
+    def known(self, peer: str) -> bool:
+        """Whether ``peer`` proved its membership to this peer before (its streams then use members' slots)."""
+        return peer in self.proven
+
     async def _serve(self, name: str, handler: Handler, info: Any, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         peer = str(getattr(info, "peer_id", "?"))
-        budget = self.slots.acquire(peer)
+        known = self.known(peer)
+        budget = self.slots.acquire(peer) if known else None
         try:
-            if budget is None:
-                self._refuse(peer, "busy", f"more than {self.limits.max_streams_per_peer} streams open "
-                             f"(or {self.limits.max_streams} from everyone)")
-                await asyncio.wait_for(handshake.refuse(reader, writer, pb.HANDSHAKE_BUSY, "too many streams"),
-                                       self.limits.handshake_timeout)
+            if not (known and budget is not None or not known and self.unproven.acquire(peer) is not None):
+                await self._refuse_busy(peer, known, reader, writer)
                 return
             try:
-                async with asyncio.timeout(self.limits.handshake_timeout):
-                    await handshake.accept(reader, writer, self.membership, self.peer_id, peer, name)
-            except MembershipError as e:
-                self._refuse(peer, str(e.context.get("code", "refused")), e.message)
-                return
-            except (ProtocolViolation, TimeoutError) as e:
-                reason = f"no handshake within {self.limits.handshake_timeout:.0f}s" if isinstance(
-                    e, TimeoutError) else str(e)
-                self._refuse(peer, "malformed", reason)
+                budget = await self._handshake(peer, name, known, reader, writer)
+            finally:
+                if not known:
+                    self.unproven.release(peer)
+            if budget is None:
                 return
             self.accepted += 1
             # hivemind runs each stream's handler in a task of its own: the handler's frame reads (and those
@@ -95,16 +104,60 @@ class StreamGuard:
                 self.slots.release(peer)
             writer.close()
 
+    async def _handshake(self, peer: str, name: str, known: bool, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> ByteBudget | None:
+        """The member's byte budget once ``peer`` proved membership (a slot of it taken), else None (refused,
+        counted and logged). A known peer already holds its slot; another takes one only after its proof."""
+        taken: list[ByteBudget] = []
+
+        def admit() -> str | None:
+            if known:
+                return None
+            budget = self.slots.acquire(peer)
+            if budget is None:
+                return "too many streams open"
+            taken.append(budget)
+            return None
+
+        timeout = self.limits.handshake_timeout if known else self.limits.unproven_handshake_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await handshake.accept(reader, writer, self.membership, self.peer_id, peer, name, admit)
+        except MembershipError as e:
+            self._refuse(peer, str(e.context.get("code", "refused")), e.message)
+        except (ProtocolViolation, TimeoutError) as e:
+            self._refuse(peer, "malformed", f"no handshake within {timeout:g}s" if isinstance(e, TimeoutError)
+                         else str(e))
+        else:
+            self.proven[peer] = None
+            self.proven.move_to_end(peer)
+            while len(self.proven) > PROVEN_PEERS:
+                self.proven.popitem(last=False)
+            return self.slots.budgets[peer] if known else taken[0]
+        if known or taken:  # its member's slot goes back (a new one broke at the verdict, after taking it)
+            self.slots.release(peer)
+        return None
+
+    async def _refuse_busy(self, peer: str, known: bool, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> None:
+        if known:
+            limits = f"more than {self.limits.max_streams_per_peer} streams open (or {self.limits.max_streams} from " \
+                     "all members)"
+        else:
+            limits = f"more than {self.limits.max_unproven_streams_per_peer} streams waiting for their handshake " \
+                     f"(or {self.limits.max_unproven_streams} from all unproven peers)"
+        self._refuse(peer, "busy", limits)
+        # the refusal is read before the stream closes; an unproven peer gets the short deadline for that
+        timeout = self.limits.handshake_timeout if known else self.limits.unproven_handshake_timeout
+        await asyncio.wait_for(handshake.refuse(reader, writer, pb.HANDSHAKE_BUSY, "too many streams"), timeout)
+
     def _refuse(self, peer: str, reason: str, message: str) -> None:
         self.refused[reason] += 1
-        if len(self.refused_peers) < 1024 or peer in self.refused_peers:
-            self.refused_peers[peer] = message[:300]
-        now = time.monotonic()
-        if now - self._logged.get((peer, reason), -LOG_EVERY) >= LOG_EVERY:
-            if len(self._logged) > 4096:
-                self._logged.clear()
-            self._logged[(peer, reason)] = now
-            logger.warning("Refused a stream from %s: %s", peer, message)
+        self.refused_peers[peer] = message[:300]
+        self.refused_peers.move_to_end(peer)
+        while len(self.refused_peers) > REFUSED_PEERS:
+            self.refused_peers.popitem(last=False)
+        self._log((peer, reason), logging.WARNING, "Refused a stream from %s: %s", peer, message)
 
     # --- opening ----------------------------------------------------------------------------------------------
 
@@ -130,6 +183,7 @@ class StreamGuard:
         return {
             "mode": self.membership.describe(),
             "streams_open": self.slots.streams,
+            "unproven_streams_open": self.unproven.streams,
             "streams_accepted": self.accepted,
             "streams_refused": dict(self.refused),
             "refused_peers": dict(list(self.refused_peers.items())[-20:]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError, Message
 
@@ -78,9 +79,12 @@ async def initiate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, m
 
 
 async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, membership: Membership,
-                 me: str, peer: str, protocol: str) -> None:
+                 me: str, peer: str, protocol: str, admit: Callable[[], str | None] | None = None) -> None:
     """The serving side. Returns once ``peer`` proved membership; else tells it why, lets it read that, and
-    raises MembershipError (or ProtocolViolation for a garbled handshake). The caller closes the stream."""
+    raises MembershipError (or ProtocolViolation for a garbled handshake). The caller closes the stream.
+
+    ``admit`` runs once the proof checked out, before the verdict: a reason to refuse the stream as busy (the
+    caller takes a member's stream slot there, so only a proven member can take one), or None."""
     hello = await _read(reader, pb.Hello, peer)
     assert isinstance(hello, pb.Hello)
     if hello.version != VERSION:
@@ -106,6 +110,10 @@ async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, mem
         reason = "its proof of the swarm secret failed (another secret?)"
         await _answer(reader, writer, pb.Verdict(code=pb.HANDSHAKE_BAD_PROOF, message=reason))
         raise _refused(peer, pb.HANDSHAKE_BAD_PROOF, reason, by_us=True)
+    busy = admit() if admit is not None else None
+    if busy is not None:
+        await _answer(reader, writer, pb.Verdict(code=pb.HANDSHAKE_BUSY, message=busy))
+        raise _refused(peer, pb.HANDSHAKE_BUSY, busy, by_us=True)
     await write_frame(writer, pb.Verdict(code=pb.HANDSHAKE_OK).SerializeToString())
 
 

@@ -20,6 +20,9 @@ replies. Two natted hosts cannot dial each other at all, like two home machines 
 Needs root and iproute2 + iptables; otherwise entering raises :class:`NatLabUnavailable` with the reason, and
 :func:`nat_lab_or_skip` skips the test with it (in CI, where the test machines are root, it fails instead).
 Everything named ``peerdnat-*`` is removed on exit and on entry (left over from an interrupted run).
+
+Peers run inside a host's namespace as ``NetnsPeer`` (``benchmarks/_netns_peerd.py``, which the benchmarks use
+too); :func:`public_maddr` is a public peer's address on the internet.
 """
 
 from __future__ import annotations
@@ -31,9 +34,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Self
 
 import pytest
+
+from peerd.launcher import PeerProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _netns_peerd import NetnsPeer  # benchmarks/ is on sys.path, not a package
+
+__all__ = ["NatLab", "NatLabUnavailable", "NetnsPeer", "nat_lab_or_skip", "public_maddr"]
 
 PREFIX = "peerdnat-"
 WAN_NS = f"{PREFIX}wan"
@@ -180,3 +191,8 @@ def nat_lab_or_skip(public: list[str], natted: list[str]) -> Iterator[NatLab]:
         yield lab
     finally:
         lab.__exit__(None, None, None)
+
+
+def public_maddr(peer: PeerProcess, address: str) -> str:
+    """The multiaddr of ``peer`` on the lab's internet, where its host has ``address``."""
+    return next(m for m in peer.ready["maddrs"] if f"/ip4/{address}/" in m)

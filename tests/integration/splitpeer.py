@@ -11,16 +11,16 @@ from typing import Any
 
 from peerd.cli import main
 from peerd.config import SwarmConfig
-from peerd.swarm.node import SwarmNode
+from peerd.swarm import bootstrap
 
-_start_dht = SwarmNode._start_dht
+_start_dht = bootstrap.start_dht
 
 
 def _start_elsewhere(config: SwarmConfig, *args: Any) -> Any:
     return _start_dht(config.model_copy(update={"initial_peers": [os.environ["SPLIT_BOOTSTRAP"]]}), *args)
 
 
-SwarmNode._start_dht = staticmethod(_start_elsewhere)  # type: ignore[method-assign]
+bootstrap.start_dht = _start_elsewhere
 
 if __name__ == "__main__":
     main()

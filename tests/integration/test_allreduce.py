@@ -27,8 +27,8 @@ from peerd.wire import codec
 from peerd.wire.frames import read_message, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
+from tests.helpers import LISTEN, p2p_daemons
 from tests.identities import new_identity
-from tests.integration.transports import LISTEN
 
 pytestmark = pytest.mark.integration
 
@@ -47,23 +47,13 @@ async def with_peers(
     n: int, body: Callable[[list[P2P], list[AllReducer]], Awaitable[Any]], config: AveragingConfig = CONFIG,
     transport: str = "tcp", membership: Membership = OPEN,
 ) -> Any:
-    p2ps: list[P2P] = []
-    directory = Path(tempfile.mkdtemp(prefix="peerd-allreduce-"))
-    identities = [new_identity(directory, f"peer{i}") for i in range(n)]
-    try:
-        p2ps.append(await P2P.create(host_maddrs=[LISTEN[transport]], identity_path=str(identities[0][0])))
-        maddrs = [str(m) for m in await p2ps[0].get_visible_maddrs()]
-        for path, _ in identities[1:]:
-            p2ps.append(await P2P.create(host_maddrs=[LISTEN[transport]], initial_peers=maddrs,
-                                         identity_path=str(path)))
+    identities = [new_identity(Path(tempfile.mkdtemp(prefix="peerd-allreduce-")), f"peer{i}") for i in range(n)]
+    async with p2p_daemons(n, LISTEN[transport], [path for path, _ in identities]) as p2ps:
         reducers = [AllReducer(StreamGuard(p, membership, StreamLimits()), config, signer)
-                    for p, (_, signer) in zip(p2ps, identities)]
+                    for p, (_, signer) in zip(p2ps, identities, strict=True)]
         for reducer in reducers:
             await reducer.start()
         return await body(p2ps, reducers)
-    finally:
-        for p2p in p2ps:
-            await p2p.shutdown()
 
 
 def weighted_mean(xs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:

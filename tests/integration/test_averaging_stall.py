@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from peerd.launcher import LocalSwarm, wait_for
-from tests.conftest import REPO
+from tests.helpers import REPO, training
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
 def test_rounds_that_all_fail_while_others_train_are_reported_loudly(swarm: LocalSwarm) -> None:
     swarm.start(2)
     peer = swarm.peers[0]
-    averaging = wait_for(lambda: (a := peer.status()["training"]["averaging"])["stalled"] and a, 60,
+    averaging = wait_for(lambda: (a := training(peer)["averaging"])["stalled"] and a, 60,
                          "the stall to be reported", 0.5)
     assert averaging["others_in_view"] == 1 and "below min_group_size" in averaging["last_error"]
     assert averaging["failed_streak"] >= 3 and averaging["failing_for"] >= 8
@@ -39,8 +39,8 @@ def test_rounds_that_all_fail_while_others_train_are_reported_loudly(swarm: Loca
     assert "WARNING:   averaging has stopped" in text, text
     with urllib.request.urlopen(f"{peer.control}/metrics", timeout=10) as response:
         assert "peerd_averaging_stalled 1.0" in response.read().decode()
-    steps = peer.status()["training"]["step"]
-    wait_for(lambda: peer.status()["training"]["step"] >= steps + 5, 30, "5 more (solo) steps", 0.5)
+    steps = training(peer)["step"]
+    wait_for(lambda: training(peer)["step"] >= steps + 5, 30, "5 more (solo) steps", 0.5)
     warnings = [line for line in peer.log_path.read_text().splitlines() if "Averaging has stopped" in line]
     assert len(warnings) == 1 and " WARN" in warnings[0], warnings  # once per streak, not per step
     assert swarm.stop() == [0, 0]

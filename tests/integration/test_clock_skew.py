@@ -13,12 +13,11 @@ import glob
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from peerd.launcher import PeerProcess, wait_for
-from tests.conftest import REPO
+from tests.helpers import REPO, ready_peer, training
 
 pytestmark = pytest.mark.integration
 
@@ -38,29 +37,19 @@ def faketime_env(offset: float) -> dict[str, str]:
     return {"LD_PRELOAD": LIBFAKETIME, "FAKETIME": f"{offset:+g}s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return peer.status()["training"]
-
-
 @pytest.fixture(scope="module")
 def anchor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
     """The peer with the true clock, shared by the cases: each skewed peer joins through it."""
-    peer = PeerProcess("anchor", ARGS, tmp_path_factory.mktemp("clock-anchor"))
-    try:
-        peer.wait_ready(60)
+    with ready_peer("anchor", ARGS, tmp_path_factory.mktemp("clock-anchor")) as peer:
         yield peer
-    finally:
-        peer.kill()
 
 
 @needs_faketime
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("offset", [0.0, 2.0, -2.0, 2.5, -2.5])
 def test_peers_within_the_dht_tolerance_average_together(anchor: PeerProcess, tmp_path: Path, offset: float) -> None:
-    skewed = PeerProcess(f"skewed{offset:+g}", [*ARGS, "--initial-peers", anchor.ready["maddrs"][0]], tmp_path,
-                         env=faketime_env(offset))
-    try:
-        skewed.wait_ready(60)
+    with ready_peer(f"skewed{offset:+g}", [*ARGS, "--initial-peers", anchor.ready["maddrs"][0]], tmp_path,
+                    env=faketime_env(offset)) as skewed:
         before = training(anchor)["rounds_ok"]
         wait_for(lambda: skewed.peer_id in anchor.seen_peer_ids(), 30, "the anchor to see the skewed peer")
         try:
@@ -74,8 +63,6 @@ def test_peers_within_the_dht_tolerance_average_together(anchor: PeerProcess, tm
         assert report["last_round"]["group_size"] == 2, report
         assert report["averaging"]["stalled"] is False
         assert skewed.stop() == 0
-    finally:
-        skewed.kill()
 
 
 @needs_faketime
@@ -90,8 +77,9 @@ def test_a_clock_beyond_the_dht_tolerance_exits_with_one_clear_line(
         assert skewed.proc.wait(60) == 1
         log = skewed.log_path.read_text()
         assert "Traceback" not in log, log
-        lines = [line for line in log.splitlines() if "clock" in line.lower()]
-        assert len(lines) == 1, log
+        # records the skewed DHT refuses before the check may be warned about; the error is one line
+        lines = [line for line in log.splitlines() if "ERROR" in line]
+        assert len(lines) == 1 and "clock" in lines[0], log
         measured = re.search(r"([+-]\d+\.\d)\s*s\b", lines[0])
         assert measured is not None and abs(float(measured.group(1)) - offset) < 2, lines[0]
         assert "NTP" in lines[0], lines[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, alive_pids, describe_process, wait_for
-from tests.conftest import LOCAL_CONFIG, REPO
+from tests.helpers import LOCAL_CONFIG, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +53,8 @@ def test_three_peers_see_each_other_and_a_stopped_peer_disappears(swarm: LocalSw
                    and all(r.get("peers_seen") == 3 for r in s["peers"]) for s in statuses)
 
     wait_for(views_whole, 40, "every view check and record to count 3 peers")
+    # Light peers, having served status, read records and checked views, never loaded torch (peerd.footprint)
+    assert all("libtorch" not in Path(f"/proc/{p.proc.pid}/maps").read_text() for p in swarm.peers)
     human = peerd("status", "--control", first.control, timeout=30)
     assert human.returncode == 0 and second.peer_id[-6:] in human.stdout and "peers seen (2)" in human.stdout
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.conftest import REPO
-from tests.integration.test_training import all_reached, training
+from peerd.launcher import LocalSwarm, wait_for
+from tests.helpers import REPO, all_reached, ready_peer, training
 
 pytestmark = pytest.mark.integration
 
@@ -105,18 +104,12 @@ def test_a_late_joiner_gets_the_outer_state_and_its_first_phase_counts(swarm: Lo
 def test_resume_restores_the_phase_and_the_outer_state(tmp_path: Path) -> None:
     args = ["--config", str(LM), *ARGS, "-o", "training.wait_for_peers=1",
             "-o", f"training.checkpoint.directory={tmp_path / 'ck'}", "-o", "training.checkpoint.every_steps=2"]
-    first = PeerProcess("first", [*args, "-o", "training.max_steps=4"], tmp_path)
-    try:
-        first.wait_ready(60)
+    with ready_peer("first", [*args, "-o", "training.max_steps=4"], tmp_path) as first:
         wait_for(lambda: training(first)["state"] == "idle", 120, "4 phases alone", 0.5)
         before = training(first)
         assert first.stop() == 0
-    finally:
-        first.kill()
     assert (tmp_path / "ck" / "ckpt-000000004.pt").is_file()
-    second = PeerProcess("second", [*args, "-o", "training.max_steps=6", "--resume"], tmp_path)
-    try:
-        second.wait_ready(60)
+    with ready_peer("second", [*args, "-o", "training.max_steps=6", "--resume"], tmp_path) as second:
         assert training(second)["phase"] >= 4  # not back at phase 0
         assert "Resumed from" in second.log_path.read_text()
         wait_for(lambda: training(second)["state"] == "idle", 120, "2 more phases", 0.5)
@@ -125,5 +118,3 @@ def test_resume_restores_the_phase_and_the_outer_state(tmp_path: Path) -> None:
         # momentum's extrapolation (up to lr / (1 - momentum) of a phase's change alone), so it is only bounded
         assert after["phase"] == 6 and after["validation_loss"] < LN_256 - 0.5, (before, after)
         assert second.stop() == 0
-    finally:
-        second.kill()

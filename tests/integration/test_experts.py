@@ -9,7 +9,6 @@ import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,84 +16,34 @@ from hivemind.p2p import P2P
 
 from peerd.config import StreamLimits
 from peerd.errors import ProtocolViolation
-from peerd.experts.batching import wire_codec
+from peerd.experts.calls import HANDLER_NAME, wire_codec
 from peerd.experts.records import PROTOCOL_VERSION
-from peerd.experts.server import HANDLER_NAME
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.launcher import LocalSwarm, wait_for
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 from peerd.wire.frames import read_frame, read_message, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
-from tests.integration.transports import LISTEN
+from tests.helpers import (
+    EXPERTS_TTL,
+    LISTEN,
+    MOE_CONFIG,
+    MOE_HIDDEN,
+    called,
+    calls_to,
+    experts,
+    host_args,
+    training,
+)
 
 pytestmark = pytest.mark.integration
-
-HIDDEN = 32
-CONFIG = f"""
-run_name: peerd-moe-test
-swarm:
-  host_maddrs: ["/ip4/127.0.0.1/tcp/0"]
-  record_refresh_period: 1.0
-  record_ttl: 4.0
-control:
-  port: 0
-training:
-  enabled: true
-  task:
-    name: lm
-    options:
-      seq_len: 32
-      batch_size: 8
-      d_model: {HIDDEN}
-      n_heads: 2
-      d_ff: 64
-      max_files: 40
-      val_files: 4
-      val_batches: 2
-      moe: {{layers: [-1], num_experts: 4, k: 2, k_min: 1, timeout: 2.0, grace: 0.05, refresh_period: 0.5,
-             retry_after: 1.0}}
-  lr: 0.01
-  target_batch_size: 16
-  validation_every: 5
-"""
-EXPERTS_TTL = 6.0  # generous: on a loaded 2-core machine a DHT read can take seconds
-
-
-def host_args(first_index: int) -> list[str]:
-    experts = (
-        f"{{uid_prefix: 'ffn.1.', count: 2, first_index: {first_index}, hidden_dim: {HIDDEN}, ffn_dim: 64, "
-        f"lr: 0.003, announce_period: 1.0, record_ttl: {EXPERTS_TTL}}}"
-    )
-    return ["-o", "training.enabled=false", "-o", f"experts={experts}", "-o", "swarm.roles=[expert_host]"]
-
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     config = tmp_path / "moe.yaml"
-    config.write_text(CONFIG)
+    config.write_text(MOE_CONFIG)
     with LocalSwarm(config, log_dir=tmp_path) as local_swarm:
         yield local_swarm
-
-
-def experts(peer: PeerProcess) -> dict[str, Any]:
-    section = peer.status()["experts"]
-    assert section is not None
-    return section
-
-
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return peer.status()["training"]
-
-
-def called(trainer: PeerProcess, uid: str) -> dict[str, Any]:
-    client = experts(trainer)["client"] or {"experts": {}}
-    return client["experts"].get(uid, {})
-
-
-def calls_to(trainer: PeerProcess, uid: str) -> int:
-    info = called(trainer, uid)
-    return int(info.get("forward", {}).get("calls", 0)) - int(info.get("forward", {}).get("errors", 0))
 
 
 @pytest.mark.timeout(180)
@@ -204,7 +153,7 @@ def _request(
     uid: str = "ffn.1.0",
     phase: int = pb.EXPERT_FORWARD,
     tokens: int = 4,
-    hidden: int = HIDDEN,
+    hidden: int = MOE_HIDDEN,
     frames: list[bytes] | None = None,
     version: int = PROTOCOL_VERSION,
     call_id: int = 0,
@@ -222,7 +171,7 @@ def _request(
 
 
 def _tensor(rows: int, nan: bool = False) -> bytes:
-    data = bytearray(codec.encode(torch.randn(rows, HIDDEN), wire_codec(lossless=True)))
+    data = bytearray(codec.encode(torch.randn(rows, MOE_HIDDEN), wire_codec(lossless=True)))
     if nan:
         struct.pack_into("<f", data, len(data) - 4, math.nan)
     return bytes(data)
@@ -242,7 +191,7 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(
         ("old version", _request(frames=[good], version=7), [good], pb.EXPERT_BAD_REQUEST, "version"),
         (
             "wrong width",
-            _request(hidden=HIDDEN + 1, frames=[good]),
+            _request(hidden=MOE_HIDDEN + 1, frames=[good]),
             [good],
             pb.EXPERT_BAD_REQUEST,
             "hidden_dim",
@@ -287,7 +236,7 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(
                 expert_uid="ffn.1.0",
                 phase=pb.EXPERT_FORWARD,
                 num_tokens=4,
-                hidden_dim=HIDDEN,
+                hidden_dim=MOE_HIDDEN,
                 payload_bytes=[10**7],
             ),
             [],
@@ -310,7 +259,7 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(
             # the host still serves valid calls: forward, then backward (one update)
             response, data = await _raw_call(p2p, host.peer_id, _request(frames=[good]), [good])
             assert response is not None and response.code == pb.EXPERT_OK, response
-            assert codec.decode(data, peer_id=host.peer_id).shape == (4, HIDDEN)
+            assert codec.decode(data, peer_id=host.peer_id).shape == (4, MOE_HIDDEN)
             grad = _tensor(4)
             # a backward by an id the host never kept activations for: not an error, "send the inputs"
             gone = _request(phase=pb.EXPERT_BACKWARD, frames=[grad], call_id=99)
@@ -338,7 +287,7 @@ def test_malformed_calls_are_refused_with_a_reason_and_the_host_keeps_serving(
 @pytest.mark.timeout(120)
 def test_a_peer_that_serves_and_trains_calls_its_own_experts_in_process(swarm: LocalSwarm) -> None:
     """libp2p cannot dial itself: a peer's model reaches the experts it serves without the network."""
-    experts_section = f"{{uid_prefix: 'ffn.1.', count: 4, hidden_dim: {HIDDEN}, ffn_dim: 64}}"
+    experts_section = f"{{uid_prefix: 'ffn.1.', count: 4, hidden_dim: {MOE_HIDDEN}, ffn_dim: 64}}"
     peer = swarm.add_peer(["-o", f"experts={experts_section}"])
     wait_for(lambda: training(peer)["step"] >= 5, 90, "the peer to train 5 steps on its own experts", 0.5)
     section = experts(peer)

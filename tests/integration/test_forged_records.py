@@ -2,15 +2,17 @@
 it had written nothing (no phantom peer, the victim's record keeps refreshing) and count what they refused.
 
 The forger is a plain hivemind DHT node (no peerd validator) joined to the swarm from the test process. It
-writes, under ``<run>.peers``, ``<run>.progress`` and ``<run>.experts``:
+writes, under ``<run>.peers``, ``<run>.progress`` and ``<run>.experts``, each expiring after the victim's
+record would (10 s ahead: within the 8 + 3 s a reader allows for configs/local.yaml's record_ttl):
 
 - unsigned records in the format peers used before signing (malformed);
-- a record about the victim signed by the forger, under the victim's subkey, expiring in an hour (wrong signer);
-- the victim's own signed record with its content changed (bad signature);
-- the victim's own signed record re-stored to expire in an hour (expiration mismatch), to freeze it;
-- its own record, validly signed, without the swarm secret (not a member).
+- a record about the victim signed by the forger, under the victim's subkey (wrong signer);
+- the victim's own signed record with its content changed (its member tag no longer matches: not a member);
+- the victim's own signed record re-stored with a later expiration (expiration mismatch), to freeze it;
+- its own record, validly signed, without the swarm secret (not a member);
+- its own record, expiring in 30 years (expiration too far).
 
-Without verification the phantom peers show up in ``peerd status`` and the far-future forgeries displace the
+Without verification the phantom peers show up in ``peerd status`` and the later forgeries displace the
 victim's record (hivemind keeps the latest expiration), so the test fails when the defence is off.
 """
 
@@ -29,12 +31,12 @@ from peerd.launcher import LocalSwarm, wait_for
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordSigner
 from peerd.wire.membership import Membership, generate_secret
-from tests.conftest import LOCAL_CONFIG
+from tests.helpers import LOCAL_CONFIG
 
 pytestmark = pytest.mark.integration
 
 RUN = "peerd-local"  # configs/local.yaml
-REASONS = ("malformed", "wrong_signer", "bad_signature", "expiration_mismatch", "not_member")
+REASONS = ("malformed", "wrong_signer", "expiration_mismatch", "expiration_too_far", "not_member")
 
 
 @pytest.fixture
@@ -64,7 +66,7 @@ def phantom_record(peer_id: str, now: float) -> dict[str, Any]:
 
 def forge(dht: DHT, forger: RecordSigner, victim: str, phantom: str) -> None:
     now = get_dht_time()
-    later = now + 3600
+    later, decades = now + 10.0, now + 30 * 365 * 86400.0
     peers, progress, experts = f"{RUN}.peers", f"{RUN}.progress", f"{RUN}.experts"
     genuine = dht.get(peers, latest=True).value[victim]  # the forger's node checks nothing: it sees the envelope
     envelope, expiration = genuine.value, genuine.expiration_time
@@ -81,6 +83,8 @@ def forge(dht: DHT, forger: RecordSigner, victim: str, phantom: str) -> None:
         (peers, victim, envelope, later),
         (peers, forger.peer_id, forger.envelope(peers, forger.peer_id, phantom_record(forger.peer_id, now), later),
          later),
+        (peers, forger.peer_id, forger.envelope(peers, forger.peer_id, phantom_record(forger.peer_id, now), decades),
+         decades),
     ]
     for key, subkey, value, until in writes:
         dht.store(key, value, until, subkey=subkey)
@@ -107,8 +111,8 @@ def test_forged_records_change_nothing_and_are_counted(swarm: LocalSwarm, forger
         entry = seen.get(victim.peer_id)
         return entry if entry is not None and entry["updated_at"] > forged_at + 2.0 else None
 
-    # The victim's record keeps refreshing (record_refresh_period 2 s) although forgeries with an expiration an
-    # hour away were written under its subkey: none of them displaced it, on any node of ours.
+    # The victim's record keeps refreshing (record_refresh_period 2 s) although forgeries expiring after it
+    # were written under its subkey: none of them displaced it, on any node of ours.
     entry = wait_for(victim_refreshed, 60, "the victim's record to refresh after the forgery")
     assert entry["state"] == "idle" and entry["expires_in"] < 60
     deadline = time.monotonic() + 6.0

@@ -16,23 +16,21 @@ import torch
 import yaml
 
 from peerd.config import TaskConfig
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.launcher import LocalSwarm, wait_for
 from peerd.tasks import build_task
-from tests.hf_models import TINY_LLAMA, make_model, make_tokenizer, sentences, write_jsonl, write_text
-from tests.integration.test_training import training
+from tests.helpers import training, validations
+from tests.hf_models import TINY_LLAMA, make_model, sentences, tokenizer_and_model, write_jsonl, write_text
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf-swarm")
-    tokenizer = make_tokenizer(root / "tokenizer")
-    lines = sentences(6000)
+    assets = tokenizer_and_model(tmp_path_factory.mktemp("hf-swarm"))
+    root, lines = assets["root"], sentences(6000)
     return {
-        "root": root, "tokenizer": tokenizer,
-        "model": make_model(root / "model", tokenizer=tokenizer),
-        "revised": make_model(root / "revised", seed=1, tokenizer=tokenizer),
+        **assets,
+        "revised": make_model(root / "revised", seed=1, tokenizer=assets["tokenizer"]),
         "text": write_text(root / "data" / "corpus.txt", lines),
         "jsonl": write_jsonl(root / "data" / "corpus.jsonl", lines),
     }
@@ -56,10 +54,6 @@ def swarm_config(path: Path, options: dict[str, Any], **training: Any) -> Path:
 def scratch_options(assets: dict[str, Path]) -> dict[str, Any]:
     return {"config": dict(TINY_LLAMA), "tokenizer": str(assets["tokenizer"]), "seq_len": 32, "batch_size": 8,
             "val_batches": 2, "data": {"files": [str(assets["text"])]}}
-
-
-def validations(peer: PeerProcess) -> list[float]:
-    return [loss for _, _, loss in peer.history()["validation_loss"]]
 
 
 def export(checkpoints: Path, out: Path, *extra: str) -> None:
@@ -115,7 +109,7 @@ def test_a_tiny_llama_from_scratch_trains_joins_and_exports(
     untrained = build_task(TaskConfig(name="hf", options=scratch_options(assets), num_shards=8), 0)
     first = untrained.validation_loss(untrained.model)  # every peer starts from this model (seed 0)
     for peer in swarm.peers:  # the late joiner too: it trained on from the swarm's state
-        losses = validations(peer)
+        losses = [loss for _, loss in validations(peer)]
         assert losses and losses[-1] < first - 1.0, (peer.name, first, losses)
     assert all(training(p)["tokens_per_second"] > 0 for p in swarm.peers[:3])
 
@@ -155,7 +149,8 @@ def test_lora_moves_only_adapters_learns_and_exports_an_adapter(
                           checkpoint={"every_steps": steps, "directory": str(tmp_path / "ckpt")})
     swarm = LocalSwarm(config, log_dir=tmp_path)
     swarms.append(swarm)
-    swarm.add_peer(timeout=120)
+    swarm.add_peer(["-o", f"training.export.directory={tmp_path / 'auto'}", "-o", "training.export.merge_lora=true"],
+                   timeout=120)
     for i in (1, 2):
         swarm.spawn_peer(["-o", f"training.checkpoint.directory={tmp_path / f'ckpt{i}'}"])
     for peer in swarm.peers:
@@ -171,7 +166,7 @@ def test_lora_moves_only_adapters_learns_and_exports_an_adapter(
     assert per_round < 4 * adapters < report["model_parameters"] / 10, (per_round, adapters)
     moved = report["round_bytes"]
     assert moved["all_parameters"] > 40 * moved["trainable"], moved
-    losses = validations(swarm.peers[0])
+    losses = [loss for _, loss in validations(swarm.peers[0])]
     assert losses[-1] < losses[0] - 0.05, losses
 
     export(tmp_path / "ckpt", tmp_path / "adapter")
@@ -181,6 +176,11 @@ def test_lora_moves_only_adapters_learns_and_exports_an_adapter(
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["model"]), tmp_path / "adapter")
     lora = {n: p for n, p in model.named_parameters() if "lora_B" in n}
     assert lora and any(float(p.abs().max()) > 0 for p in lora.values())  # B starts at zero: it trained
+    # peer0 exported on its own at max_steps, merged: the same model as the base with its adapter
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "auto").eval()
+    assert (tmp_path / "auto" / "adapter" / "adapter_config.json").is_file()
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.allclose(merged(input_ids=tokens).logits, model.eval()(input_ids=tokens).logits, atol=1e-4)
     assert swarm.stop() == [0, 0, 0]
 
 

@@ -1,6 +1,7 @@
 """Lockstep mode with real processes: every step averages both peers' fixed shares, bit for bit as one process
-training on the union of their samples would (with lossless averaging; weights of 64 samples make the
-weighted mean exact up to the one rounding of the sum, which is commutative for two members)."""
+training on the union of their samples would (with lossless averaging and the plain weighted mean, since robust
+rules scale a pair's rows to the smaller norm; weights of 64 samples make the weighted mean exact up to the one
+rounding of the sum, which is commutative for two members)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from peerd.config import TaskConfig, TrainingConfig
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.tasks import build_task
 from peerd.training.local import make_optimizer
-from tests.conftest import REPO, model_in_checkpoint
+from tests.helpers import REPO, model_in_checkpoint, training
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,8 @@ def _train_reference(shards: list[int]) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     args = ["-o", f"training.samples_per_step={SHARE}", "-o", "training.wait_for_peers=2",
-            "-o", "averaging.codec.lossless=true", "-o", f"training.max_steps={STEPS}",
+            "-o", "averaging.codec.lossless=true",
+            "-o", "averaging.aggregation=mean", "-o", f"training.max_steps={STEPS}",
             "-o", f"training.checkpoint.every_steps={STEPS}"]
     with LocalSwarm(SYNTHETIC, log_dir=tmp_path, extra_args=args) as local_swarm:
         yield local_swarm
@@ -93,7 +95,7 @@ def test_two_peers_in_lockstep_average_fixed_shares_every_step(swarm: LocalSwarm
     wait_for(lambda: all(path.is_file() for path in checkpoints), 60, f"both peers' checkpoints at step {STEPS}", 0.2)
 
     for peer in swarm.peers:
-        report = peer.status()["training"]
+        report = training(peer)
         assert (report["rounds_ok"], report["rounds_solo"], report["state_syncs"]) == (STEPS, 0, 0), report
         history = rounds(peer)
         assert [r["step"] for r in history] == list(range(STEPS))
@@ -116,12 +118,12 @@ def test_a_killed_peer_stalls_its_lockstep_partner_only_for_a_bounded_time(tmp_p
     with LocalSwarm(SYNTHETIC, log_dir=tmp_path, extra_args=args) as local_swarm:
         survivor = local_swarm.add_peer(["-o", "training.task.shard_index=0"])
         victim = local_swarm.add_peer(["-o", "training.task.shard_index=1"])
-        wait_for(lambda: survivor.status()["training"]["rounds_ok"] >= 3, 60, "3 lockstep rounds", 0.2)
+        wait_for(lambda: training(survivor)["rounds_ok"] >= 3, 60, "3 lockstep rounds", 0.2)
         victim.proc.kill()
         victim.proc.wait(10)
-        step = survivor.status()["training"]["step"]
+        step = training(survivor)["step"]
         # Killed while computing, the victim is waited for until its progress record expires (3 s); killed
         # mid-round, it is excluded after averaging.round_timeout (4 s). Either way the survivor goes on alone.
-        wait_for(lambda: survivor.status()["training"]["step"] >= step + 5, 30, "5 more steps without the victim", 0.2)
-        assert survivor.status()["training"]["rounds_solo"] >= 1
+        wait_for(lambda: training(survivor)["step"] >= step + 5, 30, "5 more steps without the victim", 0.2)
+        assert training(survivor)["rounds_solo"] >= 1
         assert survivor.stop() == 0

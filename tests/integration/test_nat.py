@@ -19,19 +19,14 @@ import pytest
 import yaml
 
 from peerd.launcher import PeerProcess, wait_for
-from tests.conftest import REPO
-from tests.integration.natlab import NatLab, nat_lab_or_skip
-from tests.integration.test_experts import CONFIG as MOE_CONFIG
-from tests.integration.test_experts import HIDDEN
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from _netns_peerd import NetnsPeer  # benchmarks/ is on sys.path, not a package
+from tests.helpers import MOE_CONFIG, experts_option, training
+from tests.integration.natlab import NatLab, NetnsPeer, nat_lab_or_skip, public_maddr
 
 pytestmark = pytest.mark.integration
 
 
 def nat_config(secret: Path) -> str:
-    """test_experts' MoE LM swarm, open to other hosts, private, with timeouts for calls through a relay."""
+    """The MoE LM swarm (MOE_CONFIG), open to other hosts, private, with timeouts for calls through a relay."""
     config = yaml.safe_load(MOE_CONFIG)
     config["run_name"] = "peerd-nat-test"
     config["swarm"].update(host_maddrs=["/ip4/0.0.0.0/tcp/0"], record_ttl=6.0, secret_path=str(secret))
@@ -41,8 +36,7 @@ def nat_config(secret: Path) -> str:
     return str(yaml.safe_dump(config))
 
 
-EXPERTS = (f"{{uid_prefix: 'ffn.1.', count: 4, first_index: 0, hidden_dim: {HIDDEN}, ffn_dim: 64, lr: 0.003, "
-           "announce_period: 1.0, record_ttl: 8.0}")
+EXPERTS = experts_option(4, record_ttl=8.0)
 
 
 @pytest.fixture
@@ -61,16 +55,8 @@ def config(tmp_path: Path) -> Path:
     return path
 
 
-def public_maddr(peer: PeerProcess, address: str) -> str:
-    return next(m for m in peer.ready["maddrs"] if f"/ip4/{address}/" in m)
-
-
 def reach(peer: PeerProcess) -> dict[str, Any]:
     return peer.status()["reachability"]
-
-
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return peer.status()["training"]
 
 
 def connection_to(peer: PeerProcess, other: PeerProcess) -> str | None:

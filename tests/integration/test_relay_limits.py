@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import PeerProcess, wait_for
-from tests.integration.natlab import NatLab, nat_lab_or_skip
-from tests.integration.test_nat import NetnsPeer, public_maddr
+from tests.integration.natlab import NatLab, NetnsPeer, nat_lab_or_skip, public_maddr
 
 pytestmark = pytest.mark.integration
 

@@ -19,20 +19,13 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.conftest import REPO
+from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validation_loss
 
 pytestmark = pytest.mark.integration
 
-SYNTHETIC = REPO / "configs" / "synthetic.yaml"
 STEPS = 30
 PEERS = 4
 ATTACKER_SHARD = 0
-# Per step the clipped attacker still pulls the result by up to tau (the honest members' spread) times its
-# weight share, so it slows training rather than stopping it; with configs/synthetic.yaml's lr 0.1 and 32
-# samples per peer, 30 steps do not reach the attack-free loss (2.9x it in an in-process simulation), with
-# 64 samples (less spread) and lr 0.2 they do (1.00x).
-SHARE = 64
-LR = 0.2
 
 
 def spawn(swarm: LocalSwarm, shard: int, attacker: bool) -> PeerProcess:
@@ -46,14 +39,6 @@ def spawn(swarm: LocalSwarm, shard: int, attacker: bool) -> PeerProcess:
                        module=module)
     swarm.peers.append(peer)
     return peer
-
-
-def validation_loss(report: dict[str, Any]) -> float | None:
-    """None before the first validation; inf for a non-finite loss (the status endpoint sends those as null)."""
-    if report["validation_step"] is None:
-        return None
-    loss = report["validation_loss"]
-    return math.inf if loss is None or not math.isfinite(loss) else float(loss)
 
 
 def train(log_dir: Path, aggregation: str, attacked: bool) -> list[dict[str, Any]]:

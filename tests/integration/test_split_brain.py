@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from peerd.launcher import PeerProcess, wait_for
-from tests.conftest import LOCAL_CONFIG, REPO
+from tests.helpers import LOCAL_CONFIG, REPO
 
 pytestmark = pytest.mark.integration
 

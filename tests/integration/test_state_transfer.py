@@ -9,7 +9,7 @@ time (over TCP rarely): these tests are what keeps the server waiting for the jo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
@@ -26,36 +26,22 @@ from peerd.training.transfer.server import StateServer
 from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
-from tests.integration.transports import LISTEN
+from tests.helpers import LISTEN, identical, mixed_state, p2p_daemons, serving
 from tests.unit.state_streams import PausingGuard
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 FINGERPRINT = "fp-test"
 OPEN = Membership()
 
 
-def large_state(step: int = 17) -> TrainingState:
-    """~7.3 MiB in several tensors and dtypes: many yamux windows, the tail is what a hasty close would lose."""
-    g = torch.Generator().manual_seed(step)
-    return TrainingState(step, {
-        "model/embed.weight": torch.randn(1024, 1024, generator=g),
-        "model/norm.bias": torch.randn(1024, generator=g).bfloat16(),
-        "inner/0/exp_avg": torch.randn(512, 1024, generator=g).half(),
-        "inner/0/step": torch.tensor(17.0),
-        "outer/shared": torch.randn(600_000, generator=g),
-        "outer/tokens": torch.randint(0, 1000, (5000,), generator=g),
-        "outer/mask": torch.rand(333, generator=g) > 0.5,
-    })
+def large_state() -> TrainingState:
+    """~7.4 MiB in several tensors and dtypes: many yamux windows, the tail is what a hasty close would lose."""
+    return mixed_state(17, rows=1024)
 
 
 TEMPLATE = template_of(large_state())
 TOTAL = large_state().nbytes
-
-
-def identical(a: TrainingState, b: TrainingState) -> bool:
-    return a.step == b.step and list(a.tensors) == list(b.tensors) and all(
-        torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
 
 
 def guard(p2p: P2P) -> StreamGuard:
@@ -65,24 +51,8 @@ def guard(p2p: P2P) -> StreamGuard:
 @asynccontextmanager
 async def peers(listen: str, donors: int) -> AsyncIterator[tuple[P2P, list[P2P]]]:
     """A joiner connected to ``donors`` donors (which know nothing of each other); all shut down at the end."""
-    started: list[P2P] = []
-    try:
-        for _ in range(donors):
-            started.append(await P2P.create(host_maddrs=[listen]))
-        maddrs = [str(m) for donor in started for m in await donor.get_visible_maddrs()]
-        joiner = await P2P.create(host_maddrs=[listen], initial_peers=maddrs)
-        started.append(joiner)
-        yield joiner, started[:-1]
-    finally:
-        for p2p in reversed(started):
-            await p2p.shutdown()  # a second shutdown of a donor a test already took away is harmless
-
-
-def serving(state: TrainingState | None) -> Callable[[], Awaitable[TrainingState | None]]:
-    async def provider() -> TrainingState | None:
-        return state
-
-    return provider
+    async with p2p_daemons(donors + 1, listen) as (joiner, *donor_p2ps):
+        yield joiner, donor_p2ps
 
 
 @pytest.mark.parametrize("transport", LISTEN)
@@ -167,17 +137,17 @@ def test_a_donor_that_disappears_mid_transfer_is_replaced_by_the_next_which_resu
 def manifest_variant(how: str) -> pb.StateResponse:
     state = large_state()
     if how == "wrong shape":
-        state.tensors["model/embed.weight"] = torch.zeros(1024, 1023)
+        state.tensors["model/w"] = torch.zeros(1024, 1023)
     elif how == "wrong dtype":
-        state.tensors["outer/shared"] = state.tensors["outer/shared"].half()
+        state.tensors["outer/momentum"] = state.tensors["outer/momentum"].half()
     return encode_manifest(state, 1 << 20)
 
 
 @pytest.mark.parametrize("transport", ["tcp"])
 def test_a_hostile_manifest_is_refused_before_its_payload(transport: str) -> None:
     cases = {
-        "wrong shape": r"offers tensor model/embed.weight as torch.float32 \(1024, 1023\), this peer has .*\(1024, 1024\)",
-        "wrong dtype": "offers tensor outer/shared as torch.float16",
+        "wrong shape": r"offers tensor model/w as torch.float32 \(1024, 1023\), this peer has .*\(1024, 1024\)",
+        "wrong dtype": "offers tensor outer/momentum as torch.float16",
         "oversized": rf"offers {TOTAL} bytes of state, above training.max_state_bytes \(4194304\)",
     }
     how = ["?"]

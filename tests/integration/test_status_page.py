@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +51,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
         log_dir = tmp_path_factory.mktemp("swarm")
         with LocalSwarm(SYNTHETIC, log_dir=log_dir, extra_args=["-o", "training.wait_for_peers=2"]) as local:
             local.start(2)
+            # Status lists the records of a read up to one refresh period old (peerd.swarm.presence): one
+            # peer0 began while peer1 was still starting can outlast peer0's first steps. Both listed first.
+            local.wait_all_see_each_other()
             yield local
 
 

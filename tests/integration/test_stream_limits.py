@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from hivemind.p2p import P2P
 
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError
 from peerd.wire.frames import read_frame, write_frame
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
+from tests.helpers import p2p_daemons
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -26,7 +26,7 @@ FRAME = 4 << 20  # what the attacker announces per stream
 SENT = FRAME - 1  # ... and sends all of but the last byte, then holds the stream
 STREAMS = 12
 MiB = 1 << 20
-TIGHT = StreamLimits(handshake_timeout=2.0, max_streams_per_peer=8, max_streams=64,
+TIGHT = StreamLimits(handshake_timeout=2.0, unproven_handshake_timeout=2.0, max_streams_per_peer=8, max_streams=64,
                      max_pending_bytes_per_peer=12 * MiB, max_pending_bytes=64 * MiB)
 LOOSE = StreamLimits(handshake_timeout=2.0, max_streams_per_peer=1000, max_streams=1000,
                      max_pending_bytes_per_peer=1 << 40, max_pending_bytes=1 << 40)
@@ -34,12 +34,7 @@ LOOSE = StreamLimits(handshake_timeout=2.0, max_streams_per_peer=1000, max_strea
 
 async def _with_peers(limits: StreamLimits, body: Callable[[StreamGuard, StreamGuard, StreamGuard], Awaitable[Any]]
                       ) -> Any:
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    others: list[P2P] = []
-    try:
-        maddrs = [str(m) for m in await server.get_visible_maddrs()]
-        for _ in range(2):
-            others.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+    async with p2p_daemons(3) as (server, *others):
         guard = StreamGuard(server, Membership(), limits)
 
         async def echo_size(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -50,9 +45,6 @@ async def _with_peers(limits: StreamLimits, body: Callable[[StreamGuard, StreamG
         await guard.add_handler(HANDLER, echo_size)
         attacker, honest = (StreamGuard(p, Membership(), StreamLimits()) for p in others)
         return await body(guard, attacker, honest)
-    finally:
-        for p2p in [*others, server]:
-            await p2p.shutdown()
 
 
 async def _flood(attacker: StreamGuard, target: str) -> list[asyncio.StreamWriter]:
@@ -121,12 +113,19 @@ def test_silent_streams_are_closed_after_the_handshake_timeout() -> None:
 
         held = [await attacker.p2p.call_binary_stream_handler(PeerID.from_base58(guard.peer_id), HANDLER)
                 for _ in range(TIGHT.max_streams_per_peer)]  # raw streams: no Hello, nothing at all
+        most = 0
 
         async def all_closed() -> None:
-            while guard.slots.streams or guard.status()["streams_refused"].get("malformed", 0) < len(held):
+            nonlocal most
+            while guard.unproven.streams or sum(guard.status()["streams_refused"].values()) < len(held):
+                most = max(most, guard.unproven.streams)
+                assert guard.slots.streams == 0  # a peer that proved nothing holds no member's slot
                 await asyncio.sleep(0.05)  # polling the guard's counters
 
-        await asyncio.wait_for(all_closed(), TIGHT.handshake_timeout + 10)
+        await asyncio.wait_for(all_closed(), TIGHT.unproven_handshake_timeout + 10)
+        # the unproven pool's per-peer bound held them; the rest were refused as busy at once
+        refused = guard.status()["streams_refused"]
+        assert most <= TIGHT.max_unproven_streams_per_peer and refused["malformed"] == most, (most, refused)
         assert await _served_in(honest, guard.peer_id) < 10
         for _, _, writer in held:
             writer.close()

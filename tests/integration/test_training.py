@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from peerd.config import TaskConfig
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.launcher import LocalSwarm, wait_for
 from peerd.tasks import build_task
-from tests.conftest import REPO, model_in_checkpoint
+from tests.helpers import REPO, all_reached, model_in_checkpoint, ready_peer, training
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +28,6 @@ TASK_ARGS = ["-o", "training.task.options={dim: 1024, out_dim: 8, batch_size: 32
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     with LocalSwarm(SYNTHETIC, log_dir=tmp_path, extra_args=TASK_ARGS) as local_swarm:
         yield local_swarm
-
-
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return peer.status()["training"]
-
-
-def all_reached(peers: list[PeerProcess], key: str, value: int) -> bool:
-    return all(training(p)[key] >= value for p in peers)
 
 
 @pytest.mark.timeout(240)
@@ -128,21 +119,13 @@ def test_a_peer_with_another_model_is_named_and_refused(swarm: LocalSwarm) -> No
 def test_resume_continues_from_the_last_checkpoint(tmp_path: Path) -> None:
     args = ["--config", str(SYNTHETIC), *TASK_ARGS[:-2], "-o", f"training.checkpoint.directory={tmp_path / 'ck'}",
             "-o", "training.checkpoint.every_steps=10"]
-    first = PeerProcess("first", [*args, "-o", "training.max_steps=20"], tmp_path)
-    try:
-        first.wait_ready(60)
+    with ready_peer("first", [*args, "-o", "training.max_steps=20"], tmp_path) as first:
         wait_for(lambda: training(first)["step"] >= 20, 60, "20 solo steps", 0.2)
         assert first.stop() == 0
-    finally:
-        first.kill()
     assert (tmp_path / "ck" / "ckpt-000000020.pt").is_file()
 
-    second = PeerProcess("second", [*args, "-o", "training.max_steps=25", "--resume"], tmp_path)
-    try:
-        second.wait_ready(60)
+    with ready_peer("second", [*args, "-o", "training.max_steps=25", "--resume"], tmp_path) as second:
         assert training(second)["step"] >= 20  # not back at step 0
         wait_for(lambda: training(second)["step"] >= 25, 60, "5 more steps", 0.2)
         assert "Resumed from" in second.log_path.read_text()
         assert second.stop() == 0
-    finally:
-        second.kill()

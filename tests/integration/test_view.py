@@ -52,7 +52,7 @@ async def scenario() -> tuple[int, int, int, bool]:
         assert caching == (False, 0, 0, False), caching
         b = await started(stack, a.visible_maddrs()[0])
         c = await started(stack)
-        await a.store(a.records_key, a.peer_id, {"peer_id": a.peer_id, "mark": 1}, now() + 120)
+        await a.store(a.records_key, a.peer_id, {"peer_id": a.peer_id, "mark": 1}, now() + 20)  # within the TTL
 
         async def c_reads_a() -> bool:
             return a.peer_id in await c.read_subkeys(c.records_key)

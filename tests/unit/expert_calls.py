@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from peerd.experts.backend import ExpertBackend
-from peerd.experts.batching import BatchQueue, CallResult, PendingCall
-from peerd.experts.stash import ActivationStash
-from peerd.experts.workers import Workers
+from peerd.experts.calls import CallResult
+from peerd.experts.server.backend import ExpertBackend
+from peerd.experts.server.batching import BatchQueue, PendingCall
+from peerd.experts.server.stash import ActivationStash
+from peerd.experts.server.workers import Workers
 
 Call = tuple[str, int, list[bytes]] | tuple[str, int, list[bytes], int]  # phase, tokens, payloads[, call id]
 

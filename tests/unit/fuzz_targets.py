@@ -30,20 +30,21 @@ from hivemind.proto import crypto_pb2
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from peerd.averaging.decisions import Entry, decision_problem
 from peerd.averaging.group import Group
-from peerd.averaging.matchmaking import _Groups, _Registration
 from peerd.averaging.requests import SpanView, check_request
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, MembershipError, ProtocolViolation, StateError
-from peerd.experts.backend import ExpertBackend
-from peerd.experts.records import parse_expert_record
-from peerd.experts.requests import check_header, max_payload_bytes, oversized_payload
+from peerd.experts.calls import max_payload_bytes
+from peerd.experts.records import parse_host_record
+from peerd.experts.server.backend import ExpertBackend
+from peerd.experts.server.headers import check_header, oversized_payload
 from peerd.proto import peerd_averaging_pb2 as apb
 from peerd.proto import peerd_experts_pb2 as epb
 from peerd.proto import peerd_membership_pb2 as mpb
 from peerd.proto import peerd_training_pb2 as tpb
 from peerd.swarm.records import parse_record
-from peerd.swarm.signing import RecordSigner, RecordVerifier, key_id
+from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
 from peerd.training.checkpoint import load_state, save_state
 from peerd.training.progress import ProgressRecord
 from peerd.training.state import TrainingState, template_of
@@ -499,31 +500,31 @@ PROGRESS_RECORD = Target(
 
 
 def _matchmaking(case: tuple[bool, object]) -> object:
-    groups, value = case
-    if groups:
-        parsed = _Groups.model_validate(value)
-        assert all(1 <= len(g) <= 64 for g in parsed.groups)
-        return parsed
-    registration = _Registration.model_validate(value)
-    assert math.isfinite(registration.t) and registration.t >= 0
-    return registration
+    _, value = case
+    entry = Entry.model_validate(value)
+    assert math.isfinite(entry.t) and entry.t >= 0
+    assert entry.groups is None or all(1 <= len(g) <= 64 for g in entry.groups)
+    if entry.groups is not None:  # the reader's check of a decision, on whatever it claims
+        decision_problem(entry.groups, {PID: 1.0, PID2: 2.0}, 4, 2)
+    return entry
 
 
 MATCHMAKING = Target(
     "matchmaking-entry",
-    st.tuples(st.booleans(), records_of({"t": 12.5}) | records_of({"leader": PID, "groups": [[PID, PID2]]})),
+    st.tuples(st.booleans(), records_of({"peer_id": PID, "t": 12.5})
+              | records_of({"peer_id": PID, "t": 12.5, "groups": [[PID, PID2]]})),
     _matchmaking,
     (ValidationError,),
 )
 
 EXPERT_RECORD_VALID = {
-    "uid": "ffn.0.1", "peer_id": PID, "maddrs": [f"/ip4/127.0.0.1/tcp/4000/p2p/{PID}"], "protocol_version": 2,
-    "hidden_dim": 64, "module": "ffn", "updates": 4, "started_at": 100.0, "updated_at": 105.0,
+    "peer_id": PID, "maddrs": [f"/ip4/127.0.0.1/tcp/4000/p2p/{PID}"], "protocol_version": 2, "hidden_dim": 64,
+    "module": "ffn", "uids": ["ffn.0.1", "ffn.0.2"], "updates": [4, 5], "started_at": 100.0, "updated_at": 105.0,
 }
 EXPERT_RECORD = Target(
     "expert-record",
-    st.tuples(st.sampled_from(["ffn.0.1", "ffn.0.2"]) | values, records_of(EXPERT_RECORD_VALID)),
-    lambda case: parse_expert_record(*case),
+    st.tuples(st.sampled_from([PID, PID2]) | values, records_of(EXPERT_RECORD_VALID)),
+    lambda case: parse_host_record(*case),
     (ProtocolViolation,),
 )
 
@@ -575,6 +576,10 @@ STATE_FILE = Target(
 
 class _Writer:
     """Collects what a handshake writes; the fuzzer has already scripted everything the other side says."""
+
+    # write_frames asks the transport whether it is closing or full; this one keeps everything and is neither
+    transport = SimpleNamespace(is_closing=lambda: False, get_write_buffer_limits=lambda: (0, 0),
+                                get_write_buffer_size=lambda: 0)
 
     def __init__(self) -> None:
         self.data = bytearray()
@@ -641,7 +646,7 @@ json_values = st.recursive(
     max_leaves=8,
 )
 SIGNERS = [RecordSigner(_identity(), membership) for membership in MEMBERSHIPS[:2]]
-VERIFIERS = [RecordVerifier(membership) for membership in MEMBERSHIPS]
+VERIFIERS = [RecordVerifier(membership, RecordLifetimes(default=2.0**41), clock=lambda: 0.0) for membership in MEMBERSHIPS]
 RECORD_KEY = "peerd-fuzz.peers"
 KEY_ID = key_id(RECORD_KEY)
 

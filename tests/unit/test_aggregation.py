@@ -74,12 +74,42 @@ def test_trimmed_mean_drops_the_extremes_of_each_coordinate() -> None:
     assert result.kept == [0.5, 1.0, 0.5, 0.0]
 
 
-def test_two_members_get_the_mean_of_capped_weights() -> None:
-    rows = torch.tensor([[0.0, 0.0], [3.0, 6.0]])
+@pytest.mark.parametrize("rule", ["centered_clip", "trimmed_mean"])
+def test_two_members_give_neither_side_the_last_word(rule: str) -> None:
+    """No majority: each row is scaled down to the smaller norm, then the mean of the capped weights. A member
+    sending -1000x its gradient (and claiming 10x the samples) cancels its partner's step at worst."""
     out = torch.empty(2)
-    result = combine("centered_clip", rows, [1.0, 10.0], out, 2.0, 0.75, 3)
-    assert result.weights == [1.0, 2.0]
-    assert torch.allclose(out, torch.tensor([2.0, 4.0]))
+    result = combine(rule, torch.tensor([[3.0, 4.0], [-3000.0, -4000.0]]), [1.0, 10.0], out, 2.0, 2.0, 3)
+    assert result.weights == [1.0, 2.0] and result.kept == pytest.approx([1.0, 1e-3])
+    assert torch.allclose(out, torch.tensor([-1.0, -4.0 / 3.0]))  # (x + 2 * -x) / 3: |x| at most, whatever it sent
+    combine(rule, torch.tensor([[3.0, 4.0], [6.0, 8.0]]), [1.0, 1.0], out, 1.0, 2.0, 3)
+    assert torch.allclose(out, torch.tensor([3.0, 4.0]))
+    # an honest pair of close rows is hardly touched
+    honest = honest_rows(2, 4096, 0.5, seed=5)
+    out = torch.empty(4096)
+    combine(rule, honest.clone(), [1.0, 1.0], out, 1.0, 2.0, 3)
+    assert torch.linalg.vector_norm(out - honest.mean(0)) < 0.1 * torch.linalg.vector_norm(honest.mean(0))
+
+
+@pytest.mark.parametrize("rule", ["centered_clip", "trimmed_mean"])
+@pytest.mark.parametrize("copies", [2, 3])
+def test_identical_rows_count_as_one_member(rule: str, copies: int) -> None:
+    """Two honest members and sybils sending the same row, ranked first (a sybil picks its peer id): 2 copies
+    of 4 make CenteredClip's radius 0 and their row the result, 3 of 5 are a majority; as one member among
+    three distinct rows it is clipped like any outlier, and its copies are left out."""
+    honest = honest_rows(2, 4096, 0.5, seed=7)
+    sybil = 1000.0 * torch.ones(4096)
+    rows = torch.cat([sybil.expand(copies, 4096), honest])
+    out = torch.empty(4096)
+    result = combine(rule, rows.clone(), [1.0] * (2 + copies), out, 1.0, AveragingConfig().clip_radius, 3)
+    assert torch.linalg.vector_norm(out - honest.mean(0)) < 0.01 * torch.linalg.vector_norm(sybil), rule
+    assert result.kept[1:copies] == [0.0] * (copies - 1) and result.weights[1:copies] == [0.0] * (copies - 1)
+    # what the copies did when each counted: the sybils' row, or most of the way to it
+    counted = torch.empty(4096)
+    (centered_clip if rule == "centered_clip" else trimmed_mean)(rows.clone(), [1.0] * (2 + copies), counted,
+                                                                   *((AveragingConfig().clip_radius, 3)
+                                                                     if rule == "centered_clip" else ()))
+    assert torch.linalg.vector_norm(counted - honest.mean(0)) > 0.3 * torch.linalg.vector_norm(sybil), rule
 
 
 def robust_reducer(own: torch.Tensor, out: torch.Tensor) -> SpanReducer:

@@ -15,17 +15,19 @@ from peerd.config import SwarmConfig, load_config
 from peerd.control.terminal import format_progress
 from peerd.errors import BootstrapError, ClockSkewError
 from peerd.metrics import StatusCollector
-from peerd.swarm.clock import MAX_CLOCK_OFFSET, clock_skew_error, ttl_margin_problems
-from peerd.swarm.node import SwarmNode
+from peerd.swarm import bootstrap
+from peerd.swarm.clock import MAX_CLOCK_OFFSET, clock_skew_error, record_lifetimes, ttl_margin_problems
+from peerd.swarm.signing import key_id
 from peerd.tables import format_status
 from peerd.training.health import STALL_ROUNDS, AveragingHealth
 from peerd.training.report import TrainingReport
 from peerd.wire.membership import Membership
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
 PEER = "/ip4/127.0.0.1/tcp/4001/p2p/QmNzpKoQTpwQ7vprtaN3C2WcbDHhjY94zHAZR7FXXB5G5f"
+LIFETIMES = record_lifetimes("run", SwarmConfig())
 
 
 def refusal(local: float, peer: float) -> DHTValidationError:
@@ -57,18 +59,18 @@ def test_bootstrap_turns_the_refusal_into_a_clock_error_without_retrying(monkeyp
         calls.append(args)
         raise refusal(1_000_030.0, 1_000_000.0)
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(refuse))
+    monkeypatch.setattr(bootstrap, "start_dht", refuse)
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
     with pytest.raises(ClockSkewError, match=r"clock offset \+30\.0 s"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False))
+        asyncio.run(bootstrap.start_with_retries(config, Path("key"), True, Membership(), LIFETIMES, 0, False))
     assert len(calls) == 1
 
     async def unreachable(*args: Any) -> None:
         raise DHTValidationError("Peer X can't access this node. Probably, libp2p has failed to bypass the firewall")
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(unreachable))
+    monkeypatch.setattr(bootstrap, "start_dht", unreachable)
     with pytest.raises(BootstrapError, match="refused this one: Peer X can't access"):
-        asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False))
+        asyncio.run(bootstrap.start_with_retries(config, Path("key"), True, Membership(), LIFETIMES, 0, False))
 
 
 def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,13 +83,13 @@ def test_an_initial_peer_too_busy_to_answer_a_ping_is_retried(monkeypatch: pytes
             raise RuntimeError("DHTNode bootstrap failed: none of the initial_peers responded to a ping.")
         return "dht"
 
-    monkeypatch.setattr(SwarmNode, "_start_dht", staticmethod(busy_then_ready))
+    monkeypatch.setattr(bootstrap, "start_dht", busy_then_ready)
     config = SwarmConfig(initial_peers=[PEER], bootstrap_attempts=3, bootstrap_retry_delay=0)
-    assert asyncio.run(SwarmNode._start_with_retries(config, Path("key"), True, Membership(), 0, False)) == "dht"
+    assert asyncio.run(bootstrap.start_with_retries(config, Path("key"), True, Membership(), LIFETIMES, 0, False)) == "dht"
     attempts.clear()
     with pytest.raises(BootstrapError, match="after 2 attempts.*responded to a ping"):
-        asyncio.run(SwarmNode._start_with_retries(config.model_copy(update={"bootstrap_attempts": 2}), Path("key"),
-                                                  True, Membership(), 0, False))
+        asyncio.run(bootstrap.start_with_retries(config.model_copy(update={"bootstrap_attempts": 2}), Path("key"),
+                                                  True, Membership(), LIFETIMES, 0, False))
 
 
 def test_ttls_shorter_than_their_refresh_plus_the_admitted_offset_are_named() -> None:
@@ -160,3 +162,15 @@ def test_only_the_dht_process_s_abandoned_rpc_handlers_are_filtered() -> None:
     assert not _abandoned_dht_rpc(record(abandoned))
     assert _abandoned_dht_rpc(record("Task was destroyed but it is pending!\ntask: <Task pending coro=<mine()>>"))
     assert _abandoned_dht_rpc(record("Task exception was never retrieved"))
+
+
+def test_record_lifetimes_follow_each_keys_ttl_plus_the_admitted_offset() -> None:
+    config = load_config(overrides={"run_name": "r", "swarm": {"record_ttl": 12, "record_refresh_period": 2},
+                                    "training": {"progress_ttl": 7},
+                                    "averaging": {"max_matchmaking_window": 4, "round_timeout": 15}})
+    lifetimes = record_lifetimes(config.run_name, config.swarm, config.averaging, config.training, config.experts)
+    assert lifetimes.cap(key_id("r.peers")) == 12 + MAX_CLOCK_OFFSET
+    assert lifetimes.cap(key_id("r.progress")) == 7 + MAX_CLOCK_OFFSET
+    assert lifetimes.cap(key_id("r.experts")) == 15 + MAX_CLOCK_OFFSET  # experts.record_ttl's default
+    # a round key: what matchmaking stores its entries with (the diloco window, 5 s, is the longest)
+    assert lifetimes.cap(key_id("r.abc.grad.7")) == 5 + 15 + 10 + 2 * MAX_CLOCK_OFFSET

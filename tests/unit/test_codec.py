@@ -11,8 +11,8 @@ import torch
 
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, ProtocolViolation
-from peerd.wire import Scheme, decode, encode, encode_with_feedback
-from peerd.wire.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION, all_finite
+from peerd.wire.codec import HEADER, MAGIC, MAX_SCALE, MIN_SCALE, VERSION, Scheme, all_finite, decode, encode
+from peerd.wire.feedback import encode_with_feedback
 
 PEER = "12D3KooWTestPeer"
 BLOCK = 128

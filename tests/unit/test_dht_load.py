@@ -13,6 +13,7 @@ import pytest
 
 from peerd.config import SwarmConfig, TrainingConfig
 from peerd.errors import TransportError
+from peerd.swarm.clock import record_lifetimes
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.node import SwarmNode
@@ -168,7 +169,8 @@ def test_every_store_and_read_asks_only_the_configured_beam_of_nodes(tmp_path: P
     signer = RecordSigner((tmp_path / "id").read_bytes(), Membership())
     config = SwarmConfig(lookup_beam=7)
     dht = _RecordingDHT(signer.peer_id)
-    node = SwarmNode(config, "run", dht, signer, Membership(), Reachability(config, 1))  # type: ignore[arg-type]
+    node = SwarmNode(config, "run", dht, signer, Membership(), Reachability(config, 1),  # type: ignore[arg-type]
+                     record_lifetimes("run", config))
 
     async def scenario() -> None:
         await node.store("run.peers", signer.peer_id, {"peer_id": signer.peer_id}, 2e9)

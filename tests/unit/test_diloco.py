@@ -167,3 +167,34 @@ def test_named_state_round_trips_and_joiners_get_the_shared_parameters() -> None
     target.import_state(served)
     assert torch.equal(flat_params(target), outer.shared)
     assert {SHARED, MOMENTUM} == set(outer.named())
+
+
+def test_accumulate_sums_micro_batches_into_one_inner_step_and_a_phase_end_keeps_the_rest() -> None:
+    from types import SimpleNamespace
+
+    from peerd.training.diloco import DilocoMode
+    from peerd.training.report import TrainingReport
+
+    def mode_of(local: LocalModel, accumulate: int) -> DilocoMode:
+        config = TrainingConfig(mode="diloco", lr=0.05, diloco={"accumulate": accumulate})  # type: ignore[arg-type]
+        host = SimpleNamespace(config=config, local=local, report=TrainingReport(fingerprint="x", parameters=1))
+        return DilocoMode(host)  # type: ignore[arg-type]
+
+    accumulating, whole = local_model(), local_model()
+    mode = mode_of(accumulating, 2)
+    batches = accumulating.task.train_batches()
+    first, second = next(batches), next(batches)
+    _, samples = accumulating.forward_backward(first)
+    before = flat_params(accumulating)
+    assert mode.after_backward(samples) is None and torch.equal(flat_params(accumulating), before)  # not yet
+    _, samples = accumulating.forward_backward(second)
+    assert mode.after_backward(samples) is None and mode.host.report.inner_steps == 1
+    # the same step as one of the two micro-batches together
+    _, both = whole.forward_backward((torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]])))
+    assert whole.inner_step(both) is None
+    assert torch.allclose(flat_params(accumulating), flat_params(whole), atol=1e-6)
+    _, samples = accumulating.forward_backward(next(batches))
+    mode.after_backward(samples)
+    moved = flat_params(accumulating)
+    assert mode._inner_step() is None and not torch.equal(flat_params(accumulating), moved)  # what a phase end does
+    assert mode.host.report.inner_steps == 2 and mode._accumulated == (0, 0)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from peerd.config import ExpertsConfig
-from peerd.experts import stash as stash_module
-from peerd.experts.backend import BackwardItem, ExpertBackend
-from peerd.experts.batching import wire_codec
-from peerd.experts.modules import build_expert
-from peerd.experts.stash import ActivationStash
+from peerd.experts.calls import wire_codec
+from peerd.experts.server import stash as stash_module
+from peerd.experts.server.backend import BackwardItem, ExpertBackend
+from peerd.experts.server.modules import build_expert
+from peerd.experts.server.stash import ActivationStash
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 from tests.unit.expert_calls import run_calls

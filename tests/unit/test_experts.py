@@ -12,13 +12,13 @@ import torch
 
 from peerd.config import ExpertsConfig, MoEConfig, TaskConfig
 from peerd.errors import ConfigError, ProtocolViolation
-from peerd.experts.backend import BackwardItem, ExpertBackend
-from peerd.experts.batching import wire_codec
-from peerd.experts.dispatch import gather_quorum
-from peerd.experts.layer import RemoteMoE
-from peerd.experts.modules import build_expert
-from peerd.experts.records import ExpertReader, ExpertRecord, parse_expert_record
-from peerd.experts.router import load_balancing_loss, renormalize, route
+from peerd.experts.calls import wire_codec
+from peerd.experts.client.dispatch import gather_quorum
+from peerd.experts.client.layer import RemoteMoE
+from peerd.experts.client.router import load_balancing_loss, renormalize, route
+from peerd.experts.records import ExpertHostRecord, ExpertReader, SeenExpert, bind, parse_host_record
+from peerd.experts.server.backend import BackwardItem, ExpertBackend
+from peerd.experts.server.modules import build_expert
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 from tests.unit.expert_calls import run_calls
@@ -26,6 +26,7 @@ from tests.unit.expert_calls import run_calls
 pytestmark = pytest.mark.timeout(60)
 
 PEER = "12D3KooWENjauiKw6XaCcnEGVweaqxyu3PpadrVWp1hEAZQydvFL"
+OTHER = "12D3KooWRtaQXj9DZCijkmMe1B81YDiREjvqc4BgNZ8639FNP12S"
 
 
 
@@ -147,14 +148,14 @@ def test_quorum_gives_up_at_the_timeout() -> None:
 
 
 def record(**changes: Any) -> dict[str, Any]:
-    value = ExpertRecord(
-        uid="ffn.1.0",
+    value = ExpertHostRecord(
         peer_id=PEER,
         maddrs=[],
         protocol_version=1,
         hidden_dim=64,
         module="ffn",
-        updates=3,
+        uids=["ffn.1.0", "ffn.1.1"],
+        updates=[3, 4],
         started_at=10.0,
         updated_at=12.0,
     ).to_wire()
@@ -163,20 +164,44 @@ def record(**changes: Any) -> dict[str, Any]:
 
 
 def test_expert_records_are_validated_strictly_and_unknown_fields_ignored() -> None:
-    assert parse_expert_record("ffn.1.0", record(future_field={"x": 1})).hidden_dim == 64
+    assert parse_host_record(PEER, record(future_field={"x": 1})).hidden_dim == 64
     for bad in (
         record(hidden_dim="64"),
         record(peer_id="nope"),
-        record(updates=-1),
+        record(updates=[3, -1]),
+        record(updates=[3]),
+        record(uids=["ffn.1.0", "ffn.1.0"], updates=[1, 2]),
+        record(uids=["bad uid!"], updates=[1]),
         record(updated_at=float("nan")),
         record(updated_at=1.0),
     ):
         with pytest.raises(ProtocolViolation):
-            parse_expert_record("ffn.1.0", bad)
+            parse_host_record(PEER, bad)
     with pytest.raises(ProtocolViolation, match="another subkey"):
-        parse_expert_record("ffn.1.7", record())
-    seen = ExpertReader().parse({"ffn.1.0": (record(), 99.0), "ffn.1.1": ("garbage", 99.0)})
-    assert list(seen) == ["ffn.1.0"] and seen["ffn.1.0"].expires_at == 99.0
+        parse_host_record(OTHER, record())
+    claims = ExpertReader().parse({PEER: (record(), 99.0), OTHER: ("garbage", 99.0)})
+    assert sorted(claims) == ["ffn.1.0", "ffn.1.1"] and claims["ffn.1.1"][0].record.updates == 4
+    assert claims["ffn.1.0"][0].expires_at == 99.0
+
+
+def _claims(*hosts: tuple[str, float]) -> dict[str, list[SeenExpert]]:
+    return ExpertReader().parse({host: (record(peer_id=host), expires) for host, expires in hosts})
+
+
+def test_a_uid_stays_with_the_host_it_is_bound_to() -> None:
+    """Another member announcing the same uids (later, with a later expiration) reroutes nobody; a uid two hosts
+    claim when first seen goes to neither; once the bound host's record expired, the uid is free again."""
+    routes, contested = bind(_claims((PEER, 50.0)), {}, now=10.0)
+    assert {uid: seen.record.peer_id for uid, seen in routes.items()} == {"ffn.1.0": PEER, "ffn.1.1": PEER}
+    assert not contested
+    routes, contested = bind(_claims((PEER, 60.0), (OTHER, 1e9)), routes, now=20.0)
+    assert {seen.record.peer_id for seen in routes.values()} == {PEER} and routes["ffn.1.0"].expires_at == 60.0
+    routes, _ = bind(_claims((OTHER, 1e9)), routes, now=30.0)  # a read that missed the bound host's record
+    assert {seen.record.peer_id for seen in routes.values()} == {PEER}
+    routes, _ = bind(_claims((OTHER, 1e9)), routes, now=61.0)  # its record expired: the uid is free
+    assert {seen.record.peer_id for seen in routes.values()} == {OTHER}
+    routes, contested = bind(_claims((PEER, 50.0), (OTHER, 50.0)), {}, now=10.0)
+    assert routes == {} and contested == {"ffn.1.0": sorted([PEER, OTHER]), "ffn.1.1": sorted([PEER, OTHER])}
 
 
 def test_experts_config_uids_and_checks() -> None:
@@ -186,6 +211,9 @@ def test_experts_config_uids_and_checks() -> None:
         ExpertsConfig(announce_period=10, record_ttl=5)
     with pytest.raises(ValueError, match="twice"):
         ExpertsConfig(uids=["a.0", "a.0"])
+    with pytest.raises(ValueError, match="shorter uids"):
+        ExpertsConfig(uids=[f"{'x' * 100}.{i}" for i in range(200)])
+    assert len(ExpertsConfig(count=1024).served_uids) == 1024
     with pytest.raises(ValueError, match="k_min"):
         MoEConfig(k=1, k_min=2)
     assert MoEConfig(num_experts=2, uid_prefix="ffn.{layer}.").uids_for(3) == ["ffn.3.0", "ffn.3.1"]

@@ -21,17 +21,15 @@ from peerd.training.diloco import DilocoMode, OuterState
 from peerd.training.export import artifacts_directory, export_checkpoint
 from peerd.training.local import LocalModel
 from peerd.training.modes import SyncMode
-from tests.hf_models import TINY_LLAMA, make_model, make_tokenizer, sentences, write_text
+from tests.hf_models import TINY_LLAMA, sentences, tokenizer_and_model, write_text
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("export")
-    tokenizer = make_tokenizer(root / "tokenizer")
-    return {"tokenizer": tokenizer, "model": make_model(root / "model", tokenizer=tokenizer),
-            "text": write_text(root / "data.txt", sentences(400))}
+    assets = tokenizer_and_model(tmp_path_factory.mktemp("export"))
+    return {**assets, "text": write_text(assets["root"] / "data.txt", sentences(400))}
 
 
 def hf_config(assets: dict[str, Path], **overrides: Any) -> TaskConfig:

@@ -62,3 +62,30 @@ def test_settings_from_the_environment_win() -> None:
     assert found["gogc"] == "100"
     env.pop("GOGC")
     assert probe(light=False, env=env)["gogc"] == "50"
+
+
+LIGHT_PROBE = textwrap.dedent("""
+    import json, sys
+    from peerd.footprint import lean_hivemind
+    lean_hivemind(light=True)
+    import peerd.daemon
+    from hivemind.dht import DHTNode
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+    loaded = {name: name in sys.modules for name in ("torch", "numpy", "hivemind.utils.mpfuture")}
+    from hivemind.utils import MPFuture  # a name the package's __init__ takes from a module that needs torch
+    import hivemind.utils.mpfuture
+    print(json.dumps({"loaded": loaded, "node": DHTNode.__module__, "time": get_dht_time() > 0,
+                      "serializer": MSGPackSerializer.loads(MSGPackSerializer.dumps([1, "a"])),
+                      "future": MPFuture is hivemind.utils.mpfuture.MPFuture, "torch_after": "torch" in sys.modules}))
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_light_peers_daemon_loads_neither_torch_nor_numpy() -> None:
+    result = subprocess.run([sys.executable, "-c", LIGHT_PROBE], capture_output=True, text=True, timeout=100,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["loaded"] == {"torch": False, "numpy": False, "hivemind.utils.mpfuture": False}
+    assert found["node"] == "hivemind.dht.node" and found["time"] and found["serializer"] == [1, "a"]
+    assert found["future"] and found["torch_after"]  # the rest of the package is still there when asked for

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from cryptography.hazmat.primitives import hashes
 from hypothesis import HealthCheck, Phase, given, settings
 
 from peerd.config import CodecConfig
 from peerd.errors import CodecError, ProtocolViolation, StateError
+from peerd.swarm import signing
 from peerd.training.checkpoint import load_state
 from peerd.wire import codec
 from tests.unit import fuzz_targets
@@ -50,11 +52,15 @@ def test_codec_refuses_empty_shapes_whose_strides_overflow(dims: tuple[int, ...]
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("nested", [b"[" * 60000, b"[" * 5000 + b"]" * 5000])
+@pytest.mark.parametrize("nested", [b"[" * 30000, b"[" * 5000 + b"]" * 5000])
 def test_signed_record_with_a_deeply_nested_payload_is_refused(nested: bytes) -> None:
-    value = {"p": nested, "k": b"k", "s": b"s", "t": b"", "e": 1.0}
-    with pytest.raises(ProtocolViolation):
-        fuzz_targets.VERIFIERS[0].open(fuzz_targets.KEY_ID, fuzz_targets.PID, value, 1.0)
+    """A member's validly signed payload that nests too deeply for json (RecursionError) is refused."""
+    signer = fuzz_targets.SIGNERS[0]
+    message = signing._message(fuzz_targets.KEY_ID, signer.peer_id, nested, 1.0)
+    value = {"p": nested, "k": signer.public_key, "s": signer._key.sign(message, signing.PSS, hashes.SHA256()),
+             "t": b"", "e": 1.0}
+    with pytest.raises(ProtocolViolation, match="not a sealed JSON object"):
+        fuzz_targets.VERIFIERS[0].open(fuzz_targets.KEY_ID, signer.peer_id, value, 1.0)
 
 
 @pytest.mark.timeout(10)

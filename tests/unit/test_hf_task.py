@@ -4,6 +4,7 @@ LoRA, and a clear error for every bad input."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from peerd.training.local import LocalModel
 from tests.hf_models import (
     TINY_LLAMA,
     make_model,
-    make_tokenizer,
     sentences,
+    tokenizer_and_model,
     write_jsonl,
     write_parquet,
     write_text,
@@ -30,13 +31,10 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    tokenizer = make_tokenizer(root / "tokenizer")
-    lines = sentences(1200)
+    assets = tokenizer_and_model(tmp_path_factory.mktemp("hf"))
+    root, lines = assets["root"], sentences(1200)
     return {
-        "root": root,
-        "tokenizer": tokenizer,
-        "model": make_model(root / "model", tokenizer=tokenizer),
+        **assets,
         "text": write_text(root / "data" / "a.txt", lines[:600]),
         "text2": write_text(root / "data" / "b.txt", lines[600:]),
         "jsonl": write_jsonl(root / "data" / "c.jsonl", lines),
@@ -93,27 +91,27 @@ def test_pretrained_directory_and_its_revision_are_in_the_fingerprint(assets: di
 @pytest.mark.parametrize("kind", ["text", "jsonl", "parquet"])
 def test_shards_are_disjoint_cover_the_data_and_never_see_validation(assets: dict[str, Path], kind: str) -> None:
     files = [str(assets["root"] / "data" / "*.txt")] if kind == "text" else [str(assets[kind])]
-    opts = options(assets, data={"files": files, "text_block_chars": 256, "shuffle_buffer": 1})
+    opts = options(assets, data={"files": files, "text_block_chars": 256, "shuffle_buffer": 1, "val_every": 7})
     shards = 3
     tasks = [build(opts, shard=s, num_shards=shards) for s in range(shards)]
     corpus = tasks[0].corpus
     records = [text for text, _ in corpus.records()]
-    held_out = corpus.held_out
-    assert 0 < held_out < len(records)
-    seen: list[set[int]] = []
+    held_out = [i for i in range(len(records)) if corpus.held_out(i)]
+    training = [i for i in range(len(records)) if not corpus.held_out(i)]
+    assert held_out and held_out == list(range(0, held_out[-1] + 1, 7)), "every 7th record from the start"
+    assert len(training) > 10 * len(held_out)
+
+    def tokens(indices: list[int]) -> list[int]:
+        return [t for i in indices for t in next(corpus._tokenize([(records[i], kind != "text")]))]
+
     for shard in range(shards):
-        indices = {i for i in range(held_out, len(records)) if (i - held_out) % shards == shard}
-        seen.append(indices)
-        tokens = [t for seq in tasks[shard].corpus.train_sequences(shard, shards, 0) for t in seq]
-        # in order (shuffle_buffer 1): this shard's sequences are the start of its records' tokens
-        expected = [t for i in sorted(indices) for t in tasks[shard].corpus._tokenize([(records[i], kind != "text")])
-                    .__next__()]
-        assert tokens == expected[: len(tokens)] and len(expected) - len(tokens) < 32
-    assert set.union(*seen) == set(range(held_out, len(records)))
-    assert all(not (a & b) for i, a in enumerate(seen) for b in seen[i + 1 :])
+        mine = training[shard::shards]
+        # in order (shuffle_buffer 1): this shard's sequences are its records' tokens, packed
+        got = [t for seq in tasks[shard].corpus.train_sequences(shard, shards, 0) for t in seq]
+        expected = tokens(mine)
+        assert got == expected[: len(got)] and len(expected) - len(got) < 32
     validation = torch.cat(tasks[0].validation_batches()).reshape(-1).tolist()
-    first = [t for text in records[:held_out] for t in next(corpus._tokenize([(text, kind != "text")]))]
-    assert validation == first[: len(validation)], "validation is the data's first sequences, on every peer"
+    assert validation == tokens(held_out)[: len(validation)], "validation is the held-out records' sequences"
     assert all(torch.equal(x, y) for t in tasks[1:] for x, y in zip(t.validation_batches(), tasks[0].validation_batches(),
                                                                      strict=True))
 
@@ -180,13 +178,16 @@ def field_of(error: pytest.ExceptionInfo[ConfigError]) -> str:
         (lambda a, t: {"seq_len": 200}, "training.task.options.seq_len", "max_position_embeddings (128)"),
         (lambda a, t: {"config": {**TINY_LLAMA, "vocab_size": 100}}, "training.task.options.tokenizer",
          "more than the model's 100 embeddings"),
-        (lambda a, t: {"data": {"files": [str(write_text(t / "small.txt", sentences(40)))],
-                                "text_block_chars": 64}}, "training.task.num_shards", "fewer than one batch"),
+        (lambda a, t: {"data": {"files": [str(write_text(t / "small.txt", sentences(60)))],
+                                "text_block_chars": 64, "val_every": 4}}, "training.task.num_shards",
+         "fewer than one batch"),
+        (lambda a, t: {"data": {"files": [str(write_text(t / "tiny.txt", sentences(10)))]}},
+         "training.task.options.val_batches", "for validation (every 50th record)"),
         (lambda a, t: {"lora": {"target_modules": ["nope_proj"]}}, "training.task.options.lora.target_modules",
          "nope_proj"),
     ],
     ids=["model-dir", "file-missing", "glob-empty", "file-empty", "json-malformed", "json-field", "seq-len",
-         "vocab", "too-small-for-shards", "lora-targets"],
+         "vocab", "too-small-for-shards", "too-small-for-validation", "lora-targets"],
 )
 def test_bad_input_is_one_line_naming_the_option_or_file(
     assets: dict[str, Path], tmp_path: Path, change: Any, field: str, words: str
@@ -202,3 +203,28 @@ def _malformed(directory: Path) -> Path:
     path = directory / "bad.jsonl"
     path.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
     return path
+
+
+def test_bf16_autocast_trains_the_hf_model_and_keeps_fp32_weights(assets: dict[str, Path]) -> None:
+    task = build(options(assets))
+    local = LocalModel(TrainingConfig(enabled=True, precision="bf16", device="cpu", lr=0.01), task,
+                       error_feedback=False)
+    before = local.validation_loss()
+    batches = task.train_batches()
+    for _ in range(8):
+        loss, samples = local.forward_backward(next(batches))
+        assert local.inner_step(samples) is None and math.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in local.params)
+    assert local.validation_loss() < before
+
+
+def test_a_data_set_by_id_streams_its_rows(assets: dict[str, Path], tmp_path: Path) -> None:
+    # datasets resolves an id that is a local directory of data files offline, as it would a Hub id online
+    write_jsonl(tmp_path / "dataset" / "train.jsonl", sentences(900))
+    task = build(options(assets, data={"dataset": str(tmp_path / "dataset")}), num_shards=2)
+    records = [text for text, _ in task.corpus.records()]
+    assert records == sentences(900)
+    assert next(task.train_batches()).shape == (4, 32)
+    with pytest.raises(ConfigError, match="data.dataset '/no/such/dataset' could not be read") as info:
+        build(options(assets, data={"dataset": "/no/such/dataset"}))
+    assert field_of(info) == "training.task.options.data.dataset"

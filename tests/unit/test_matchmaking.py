@@ -1,5 +1,7 @@
-"""Matchmaking when the peers' clocks disagree (by up to the 3 s hivemind's DHT admits): every member reaches
-the same group as with agreeing clocks, over an in-memory DHT whose stores become readable after a delay."""
+"""Matchmaking over an in-memory DHT whose stores become readable after a delay: when the peers' clocks disagree
+(by up to the 3 s hivemind's DHT admits) every member reaches the same group as with agreeing clocks; when a
+member lies (a registration at time 0, groups of its choosing, a decision it never publishes) the others
+still form the groups they would have formed without it, and skip it as a leader."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from peerd.averaging import matchmaking
+from peerd.averaging.decisions import decision_problem, split
 from peerd.averaging.group import Group
-from peerd.averaging.matchmaking import GROUPS_PREFIX, Matchmaker
+from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, ProtocolViolation
 from peerd.swarm.latency import LatencyWindow
@@ -36,10 +40,12 @@ class _DHT:
 class _Swarm:
     """The SwarmNode methods matchmaking uses, on a shared in-memory DHT."""
 
-    def __init__(self, peer_id: str, dht: _DHT) -> None:
+    def __init__(self, peer_id: str, dht: _DHT, drops: list[str] | None = None) -> None:
+        """``drops``: where refused entries are counted; None: a refused entry fails the test."""
         self.peer_id = peer_id
         self.dht = dht
         self.latency = LatencyWindow()
+        self.drops = drops
 
     async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
         with self.latency.timing():
@@ -53,7 +59,9 @@ class _Swarm:
                 if stored == key and visible <= now}
 
     def drop(self, reason: str, error: ProtocolViolation) -> None:
-        raise AssertionError(f"unexpected drop: {error}")
+        if self.drops is None:
+            raise AssertionError(f"unexpected drop: {error}")
+        self.drops.append(reason)
 
 
 async def _join(dht: _DHT, peer: str, offset: float, delay: float, expected: int,
@@ -109,10 +117,8 @@ def test_a_peer_behind_that_registers_after_the_decision_does_not_become_a_secon
 def test_of_two_racing_decisions_every_reader_takes_the_earliest_registered_leaders() -> None:
     dht = _DHT(latency=0.0)
     t = time.time()
-    for peer, offset in ((PEERS[0], 0.0), (PEERS[1], -1.0)):
-        dht.values[KEY, peer] = (0.0, {"peer_id": peer, "t": t + offset})
-    dht.values[KEY, GROUPS_PREFIX + PEERS[0]] = (0.0, {"peer_id": PEERS[0], "groups": [[PEERS[0], PEERS[2]]]})
-    dht.values[KEY, GROUPS_PREFIX + PEERS[1]] = (0.0, {"peer_id": PEERS[1], "groups": [sorted(PEERS[:3])]})
+    dht.values[KEY, PEERS[0]] = (0.0, {"peer_id": PEERS[0], "t": t, "groups": [sorted([PEERS[0], PEERS[2]])]})
+    dht.values[KEY, PEERS[1]] = (0.0, {"peer_id": PEERS[1], "t": t - 1.0, "groups": [sorted(PEERS[:3])]})
     group = asyncio.run(Matchmaker(_Swarm(PEERS[2], dht), CONFIG).form_group(KEY, 3))  # type: ignore[arg-type]
     assert set(group.members) == set(PEERS[:3])  # PEERS[1] registered earliest (on its clock), so its decision
 
@@ -167,3 +173,87 @@ def test_peers_that_register_after_the_decision_average_among_themselves() -> No
     assert isinstance(first, Group) and first == second and set(first.members) == set(PEERS[:2])
     assert isinstance(third, Group) and third == fourth and set(third.members) == set(PEERS[2:4])
     assert third.round_id.startswith(f"{KEY}.late/")  # a round of its own: no all-reduce mixes the two
+
+
+# --- a member that lies ----------------------------------------------------------------------------------------
+
+LIAR = f"Qm{'Z' * 44}"
+
+
+def _liar_registers(dht: _DHT, t: float, groups: list[list[str]] | None = None) -> None:
+    entry: dict[str, Any] = {"peer_id": LIAR, "t": t}
+    if groups is not None:
+        entry["groups"] = groups
+    dht.values[KEY, LIAR] = (0.0, entry)
+
+
+async def _honest(dht: _DHT, drops: list[str], matchmakers: list[Matchmaker] | None = None,
+                  peers: int = 3) -> list[Group | BaseException]:
+    matchmakers = matchmakers or [Matchmaker(_Swarm(PEERS[i], dht, drops), CONFIG)  # type: ignore[arg-type]
+                                  for i in range(peers)]
+    return await asyncio.gather(*(m.form_group(KEY, peers + 1) for m in matchmakers), return_exceptions=True)
+
+
+def test_a_registration_at_time_zero_makes_nobody_the_leader() -> None:
+    """Time 0 would make its author the leader of every round (and, never deciding, stall them all): it is
+    dropped as implausible, and the honest peers group without it as fast as without any liar."""
+    dht, drops = _DHT(), []
+    _liar_registers(dht, 0.0)
+    started = time.monotonic()
+    groups = asyncio.run(_honest(dht, drops))
+    took = time.monotonic() - started
+    assert all(isinstance(g, Group) and set(g.members) == set(PEERS[:3]) for g in groups), groups
+    assert took < CONFIG.max_matchmaking_window + CONFIG.join_timeout  # no leader's deadline was waited out
+    assert drops.count("implausible_time") == 3  # once per honest reader
+
+
+@pytest.mark.parametrize("groups, why", [
+    ([[LIAR, PEERS[0]], [PEERS[1], PEERS[2]]], "pairs of its choosing"),
+    ([sorted([LIAR, *PEERS[:3]]), [PEERS[0]]], "a peer in two groups"),
+    ([sorted([LIAR, *PEERS[:3], PEERS[5]])], "a peer that never registered"),
+    ([sorted([LIAR, PEERS[0]]), sorted(PEERS[1:3])], "groups smaller than target_group_size"),
+    ([[LIAR], [PEERS[0]], [PEERS[1]], [PEERS[2]]], "groups of one"),
+])
+def test_a_leaders_groups_must_be_the_split_of_its_members(groups: list[list[str]], why: str) -> None:
+    """The liar registers first (a plausible time) and publishes groups of its choosing: refused and counted
+    by every honest peer, which then follow the next registrant, who groups everyone as the rules say."""
+    dht, drops = _DHT(), []
+    _liar_registers(dht, time.time() - 0.5, [sorted(group) for group in groups])
+    results = asyncio.run(_honest(dht, drops))
+    registered = {LIAR: 0.0, **{peer: 1.0 for peer in PEERS[:3]}}
+    assert decision_problem(split(sorted(registered), 4, 2), registered, 4, 2) is None  # what it had to decide
+    assert decision_problem(groups, registered, 4, 2) is not None, why
+    assert all(isinstance(g, Group) and set(g.members) == set(PEERS[:3]) for g in results), (why, results)
+    assert drops.count("bad_decision") == 3, drops
+
+
+def test_a_leader_that_never_decides_delays_one_round_and_leads_no_more() -> None:
+    """The liar registers first with a plausible time and never decides: the honest peers wait out its
+    deadline once, then the next registrant leads; in the next round they pass over it at once."""
+    config = CONFIG
+    dht, drops = _DHT(), []
+    matchmakers = [Matchmaker(_Swarm(PEERS[i], dht, drops), config) for i in range(3)]  # type: ignore[arg-type]
+    _liar_registers(dht, time.time() - 0.5)
+    started = time.monotonic()
+    groups = asyncio.run(_honest(dht, drops, matchmakers))
+    first = time.monotonic() - started
+    assert all(isinstance(g, Group) and set(g.members) == set(PEERS[:3]) for g in groups), groups
+    assert first >= config.max_matchmaking_window + config.join_timeout  # its deadline, waited out once
+    assert all(LIAR in m.skipped for m in matchmakers)
+    dht.values.clear()
+    _liar_registers(dht, time.time() - 0.5)
+    started = time.monotonic()
+    groups = asyncio.run(_honest(dht, drops, matchmakers))
+    # it still averages (a registrant like any other), it just leads nothing
+    assert all(isinstance(g, Group) and set(g.members) == {*PEERS[:3], LIAR} for g in groups), groups
+    assert time.monotonic() - started < config.max_matchmaking_window + config.join_timeout
+
+
+def test_a_round_gives_up_after_a_bounded_number_of_silent_leaders() -> None:
+    """Sybils that register first and never decide cost one round at most MAX_FALLBACKS + 1 deadlines."""
+    dht, drops = _DHT(), []
+    sybils = [f"Qm{letter * 44}" for letter in "STUVWXY"]
+    for i, sybil in enumerate(sybils):
+        dht.values[KEY, sybil] = (0.0, {"peer_id": sybil, "t": time.time() - 1.0 + 0.01 * i})
+    (result,) = asyncio.run(_honest(dht, drops, peers=1))
+    assert isinstance(result, GroupFailed) and f"{matchmaking.MAX_FALLBACKS + 1} leaders did not decide" in str(result)

@@ -39,7 +39,8 @@ async def _pair() -> tuple[Streams, Streams]:
     return await asyncio.open_connection(sock=a), await asyncio.open_connection(sock=b)
 
 
-async def _handshake(initiator: Membership, responder: Membership) -> tuple[BaseException | None, ...]:
+async def _handshake(initiator: Membership, responder: Membership,
+                     admit: Callable[[], str | None] | None = None) -> tuple[BaseException | None, ...]:
     """Runs both sides (Alice opens to Bob); returns each side's error, or None where it succeeded."""
     (ra, wa), (rb, wb) = await _pair()
 
@@ -54,13 +55,31 @@ async def _handshake(initiator: Membership, responder: Membership) -> tuple[Base
 
     return tuple(await asyncio.gather(
         side(lambda: handshake.initiate(ra, wa, initiator, ALICE, BOB, PROTOCOL), wa),
-        side(lambda: handshake.accept(rb, wb, responder, BOB, ALICE, PROTOCOL), wb),
+        side(lambda: handshake.accept(rb, wb, responder, BOB, ALICE, PROTOCOL, admit), wb),
     ))
 
 
 def test_members_with_the_same_secret_get_through() -> None:
     assert asyncio.run(_handshake(SECRET, SECRET)) == (None, None)
     assert asyncio.run(_handshake(OPEN, OPEN)) == (None, None)
+
+
+def test_a_members_slot_is_asked_for_only_after_its_proof() -> None:
+    """The responder's admission (where the guard takes a member's stream slot) runs only for a peer whose
+    proof checked out, and its refusal reaches the initiator as busy."""
+    asked: list[str] = []
+
+    def admit() -> str | None:
+        asked.append("asked")
+        return "too many streams open"
+
+    initiator_error, responder_error = asyncio.run(_handshake(OTHER_SECRET, SECRET, admit))
+    assert asked == [] and responder_error is not None and responder_error.context["code"] == "HANDSHAKE_BAD_PROOF"
+    initiator_error, responder_error = asyncio.run(_handshake(SECRET, SECRET, admit))
+    assert asked == ["asked"]
+    assert isinstance(initiator_error, MembershipError) and initiator_error.context["code"] == "HANDSHAKE_BUSY"
+    assert isinstance(responder_error, MembershipError) and responder_error.context["code"] == "HANDSHAKE_BUSY"
+    assert asyncio.run(_handshake(SECRET, SECRET, lambda: None)) == (None, None)
 
 
 @pytest.mark.parametrize("initiator, responder, code", [
@@ -192,6 +211,47 @@ def test_frames_beyond_a_peers_budget_end_its_stream() -> None:
         reader = asyncio.StreamReader()
         reader.feed_data((2000).to_bytes(8, "little") + bytes(2000))
         assert len(await read_frame(reader, 1 << 20, ALICE, "chunk")) == 2000  # our own reads: no budget
+
+    asyncio.run(body())
+
+
+def test_a_frame_writer_waits_while_the_other_side_reads_nothing() -> None:
+    """drain() holds the writer back on every loop, CPython 3.12's and 3.13's selector transport included
+    (whose writelines() alone never pauses the protocol before 3.12.9 and 3.13.2): frames sent to a peer that
+    reads nothing do not pile up in memory."""
+    async def body() -> None:
+        (reader, reading_end), (_, writer) = await _pair()
+        payload = bytes(8 << 20)
+        task = asyncio.create_task(write_frame(writer, payload))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            assert not done and writer.transport.get_write_buffer_size() > 0
+            assert len(await read_frame(reader, len(payload), ALICE, "payload")) == len(payload)
+            assert await task == 8 + len(payload)
+        finally:
+            writer.close()
+            reading_end.close()
+
+    asyncio.run(body())
+
+
+def test_a_frame_written_to_a_lost_stream_fails_and_later_streams_still_work() -> None:
+    """Both ends gone: the write raises like drain() does, and the socket that inherits the descriptor still
+    reads (CPython 3.12's writelines() on a lost connection could leave the closed one registered)."""
+    async def body() -> None:
+        (_, lost), (_, other_end) = await _pair()
+        other_end.transport.abort()
+        lost.transport.abort()
+        with pytest.raises(ConnectionResetError):
+            await write_frame(lost, b"late")
+        await asyncio.sleep(0)  # lets the loop close the lost socket, as it would before any next stream
+        (reader, reading_end), (_, writer) = await _pair()
+        try:
+            await write_frame(writer, b"next")
+            assert await asyncio.wait_for(read_frame(reader, 4, ALICE, "frame"), 5) == b"next"
+        finally:
+            writer.close()
+            reading_end.close()
 
     asyncio.run(body())
 

@@ -262,3 +262,21 @@ def test_no_progress_line_in_pipes_files_or_json_logs(caplog: pytest.LogCaptureF
         assert stream.getvalue() == (f"[peerd.control.terminal] progress: {format_progress({'step': 9})}\n"
                                      "[peerd.test] a log record\n"
                                      f"[peerd.control.terminal] progress: {format_progress({'step': 10})}\n")
+
+
+def test_a_lora_run_shows_its_trainable_share_round_bytes_against_full_and_tokens_per_second() -> None:
+    from peerd.tables import format_status
+
+    report = TrainingReport(fingerprint="ab" * 4, parameters=2048, model_parameters=204800, tokens_per_sample=128)
+    report.record_loss(3.0, samples=8, seconds=0.5)
+    report.record_round(RoundReport(round_id="r", group_size=3, duration=0.1, bytes_sent=3000, bytes_received=2000))
+    training = report.as_dict()
+    assert training["round_bytes"] == {"trainable": 5000, "all_parameters": 500000}
+    assert training["tokens_per_second"] == 8 * 128 / 0.5 and training["samples_trained"] == 8
+    text = format_status({"peer_id": "me", "peers": [], "training": training})
+    assert "2,048 of 204,800 parameters train (1.00%)" in text
+    assert "a round moves 5 KiB, against ~488 KiB training all of them" in text
+    assert "2048 tokens/s" in format_progress(training)
+    full = TrainingReport(fingerprint="ab" * 4, parameters=10, model_parameters=10).as_dict()
+    assert "parameters train" not in format_status({"peer_id": "me", "peers": [], "training": full})
+    assert "tokens/s" not in format_progress(full)

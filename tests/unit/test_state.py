@@ -18,6 +18,7 @@ from peerd.training.checkpoint import Checkpointer, check_directory, load_state,
 from peerd.training.state import TrainingState, check_state, template_of
 from peerd.training.transfer.manifest import (
     MAX_TENSORS,
+    PROTOCOL_VERSION,
     check_against_template,
     check_manifest,
     chunks,
@@ -224,7 +225,7 @@ def test_a_manifest_of_our_own_state_passes_and_describes_it() -> None:
 
 
 def with_tensors(*infos: pb.TensorInfo, **fields: object) -> pb.StateResponse:
-    response = pb.StateResponse(code=pb.STATE_OK, protocol_version=2, chunk_bytes=1 << 16, tensors=infos,
+    response = pb.StateResponse(code=pb.STATE_OK, protocol_version=PROTOCOL_VERSION, chunk_bytes=1 << 16, tensors=infos,
                                 total_bytes=sum(t.nbytes for t in infos))
     for key, value in fields.items():
         setattr(response, key, value)

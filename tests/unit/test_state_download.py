@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-import torch
 
 from peerd.errors import StateError
 from peerd.proto import peerd_training_pb2 as pb
@@ -21,6 +20,7 @@ from peerd.training.transfer.manifest import HANDLER_NAME, encode_manifest
 from peerd.training.transfer.server import StateServer
 from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
+from tests.helpers import Provider, identical, mixed_state, serving
 from tests.unit.state_streams import LocalNet, PausingGuard
 
 pytestmark = pytest.mark.timeout(30)
@@ -30,35 +30,8 @@ A, B, C, JOINER = "donor-a", "donor-b", "donor-c", "joiner"
 CHUNK = 64 << 10
 
 
-def big_state(step: int = 11) -> TrainingState:
-    g = torch.Generator().manual_seed(step)
-    return TrainingState(step, {
-        "model/w": torch.randn(256, 1024, generator=g),  # 1 MiB: 16 chunks of 64 KiB
-        "model/b": torch.randn(1000, generator=g).bfloat16(),
-        "inner/0/step": torch.tensor(4.0),
-        "outer/empty": torch.empty(0),
-        "outer/momentum": torch.randn(100_000, generator=g),
-        "outer/mask": torch.rand(77, generator=g) > 0.5,
-    })
-
-
-TEMPLATE = template_of(big_state())
-TOTAL = big_state().nbytes
-
-
-def identical(a: TrainingState, b: TrainingState) -> bool:
-    return a.step == b.step and set(a.tensors) == set(b.tensors) and all(
-        torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
-
-
-Provider = Callable[[], Awaitable[TrainingState | None]]
-
-
-def serving(state: TrainingState | None) -> Provider:
-    async def provider() -> TrainingState | None:
-        return state
-
-    return provider
+TEMPLATE = template_of(mixed_state())  # its model/w: 1 MiB, 16 chunks of CHUNK
+TOTAL = mixed_state().nbytes
 
 
 @asynccontextmanager
@@ -83,7 +56,7 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
 
 
 def test_a_download_resumes_from_the_next_donor_at_the_same_step(caplog: pytest.LogCaptureFixture) -> None:
-    state = big_state()
+    state = mixed_state()
 
     async def body() -> None:
         async with swarm(**{A: serving(state), B: serving(state)}) as net:
@@ -109,14 +82,14 @@ def test_a_download_resumes_from_the_next_donor_at_the_same_step(caplog: pytest.
 
 def test_a_donor_at_another_step_restarts_from_zero(caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
-        async with swarm(**{A: serving(big_state(11)), B: serving(big_state(12))}) as net:
+        async with swarm(**{A: serving(mixed_state(11)), B: serving(mixed_state(12))}) as net:
             pausing = PausingGuard(net.guard(JOINER), A, after=300_000)
             joiner = downloader(pausing.as_guard())
             task = asyncio.create_task(joiner.download([A, B]))
             await pausing.paused.wait()
             net.cut(A)
             pausing.resume.set()
-            assert identical(await task, big_state(12))
+            assert identical(await task, mixed_state(12))
             assert joiner.status()["bytes_from"][B] == TOTAL
 
     with caplog.at_level(logging.INFO):
@@ -128,14 +101,14 @@ def test_a_donor_at_another_step_restarts_from_zero(caplog: pytest.LogCaptureFix
 def test_a_silent_donor_is_abandoned_after_the_stall_timeout() -> None:
     async def silent(info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_message(reader, pb.StateRequest, "joiner")
-        await write_message(writer, encode_manifest(big_state(), CHUNK))
+        await write_message(writer, encode_manifest(mixed_state(), CHUNK))
         await wait_for_close(reader, timeout=30)  # sends no payload, keeps the stream open
 
     async def body() -> None:
-        async with swarm(**{B: serving(big_state())}) as net:
+        async with swarm(**{B: serving(mixed_state())}) as net:
             await net.guard(A).add_handler(HANDLER_NAME, silent)
             joiner = downloader(net.guard(JOINER), stall_timeout=0.3)
-            assert identical(await joiner.download([A, B]), big_state())
+            assert identical(await joiner.download([A, B]), mixed_state())
             assert joiner.status()["bytes_from"] == {A: 0, B: TOTAL}
 
     run(body)
@@ -146,7 +119,7 @@ def test_concurrent_transfers_share_one_snapshot_and_the_rest_are_told_busy() ->
 
     async def provider() -> TrainingState:
         calls.append(1)
-        return big_state()
+        return mixed_state()
 
     async def body() -> None:
         net = LocalNet()
@@ -156,15 +129,15 @@ def test_concurrent_transfers_share_one_snapshot_and_the_rest_are_told_busy() ->
             pausing = PausingGuard(net.guard(JOINER), A, after=200_000)
             first = asyncio.create_task(downloader(pausing.as_guard()).download([A]))
             await pausing.paused.wait()  # the first transfer holds the snapshot
-            assert identical(await downloader(net.guard("second")).download([A]), big_state())
+            assert identical(await downloader(net.guard("second")).download([A]), mixed_state())
             server.max_transfers = 1
             with pytest.raises(StateError, match=f"{A} has no state for us: STATE_BUSY already serving 1"):
                 await downloader(net.guard("third"), rounds=1).download([A])
             pausing.resume.set()
-            assert identical(await first, big_state())
+            assert identical(await first, mixed_state())
             await net.idle()
             assert len(calls) == 1 and server.status()["snapshot_step"] is None  # released after the last one
-            assert identical(await downloader(net.guard("fourth")).download([A]), big_state())
+            assert identical(await downloader(net.guard("fourth")).download([A]), mixed_state())
             assert len(calls) == 2
         finally:
             await net.close()
@@ -174,7 +147,7 @@ def test_concurrent_transfers_share_one_snapshot_and_the_rest_are_told_busy() ->
 
 def test_refusals_name_the_donor_and_refresh_finds_another() -> None:
     async def body() -> None:
-        async with swarm(**{A: serving(None), B: serving(big_state())}) as net:
+        async with swarm(**{A: serving(None), B: serving(mixed_state())}) as net:
             refreshed: list[int] = []
 
             async def refresh() -> list[str]:
@@ -182,7 +155,7 @@ def test_refusals_name_the_donor_and_refresh_finds_another() -> None:
                 return [B]
 
             joiner = downloader(net.guard(JOINER))
-            assert identical(await joiner.download([A, C], refresh), big_state())
+            assert identical(await joiner.download([A, C], refresh), mixed_state())
             assert refreshed == [1] and joiner.status()["donors_tried"] == 3
 
             with pytest.raises(StateError) as failed:
@@ -201,20 +174,20 @@ def test_refusals_name_the_donor_and_refresh_finds_another() -> None:
 
 
 def test_a_state_with_nan_is_refused_and_the_next_donor_used() -> None:
-    poisoned = big_state()
+    poisoned = mixed_state()
     poisoned.tensors["outer/momentum"][5] = float("nan")
 
     async def body() -> None:
-        async with swarm(**{A: serving(poisoned), B: serving(big_state())}) as net:
+        async with swarm(**{A: serving(poisoned), B: serving(mixed_state())}) as net:
             joiner = downloader(net.guard(JOINER))
-            assert identical(await joiner.download([A, B]), big_state())
+            assert identical(await joiner.download([A, B]), mixed_state())
 
     run(body)
 
 
 async def _lying(info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, how: str) -> None:
     await read_message(reader, pb.StateRequest, "joiner")
-    state = big_state()
+    state = mixed_state()
     await write_message(writer, encode_manifest(state, CHUNK, start=(0, 8) if how == "start" else (0, 0)))
     if how == "long chunk":
         await write_frame(writer, bytes(CHUNK + 1))

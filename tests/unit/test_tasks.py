@@ -17,7 +17,7 @@ from peerd.config import TaskConfig
 from peerd.errors import ConfigError
 from peerd.tasks import Task, build_task, derive_seed, shard_for_peer
 from peerd.tasks.lm import LMTask, stdlib_sources
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -64,6 +64,7 @@ class Span:
         combined = combine(self.rule, self.decoded.clone(), list(self.weights or []), out,
                            self.config.max_weight_ratio, self.config.clip_radius, self.config.clip_iterations)
         self.coefficients, self.medoid, self.gram = combined.coefficients, combined.medoid, combined.gram
+        self.norms, self.same_as = combined.norms, combined.same_as
         if self.rule == "mean":  # the reducer's streaming mean takes the claims as they are
             total = sum(self.weights or [])
             self.coefficients = [w / total for w in self.weights or []]
@@ -96,6 +97,10 @@ class Span:
                                     medoid=self.medoid)
         if self.gram is not None:
             record.gram[:] = self.gram.reshape(-1).tolist()
+        if self.norms is not None:
+            record.norms[:] = self.norms.tolist()
+        if self.same_as is not None:
+            record.same_as[:] = self.same_as
         if edit is not None:
             message.MergeFrom(edit)
         return parse_statement(sign_statement(self.signing[0], message), self.group, 0, numel,
@@ -107,7 +112,7 @@ class Span:
         numel = decoded.numel()
         bound = envelope(view(self.payloads[rank]), decoded, CODEC.block_size)
         signed = build_samples(self.signing[rank], "round", self.randomness, {0: OwnRow(decoded, [(0, numel)],
-                               [bound])}, self.rule == "centered_clip", {})
+                               [bound])}, self.rule != "mean", {})
         return parse_samples(signed, self.group.members[rank], "round", self.seed, {0: [(0, numel)]},
                              CODEC.block_size, KeyBook())
 

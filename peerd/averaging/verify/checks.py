@@ -5,7 +5,11 @@ Per chunk that is not void:
 1. **Coefficients.** The mean's follow from the sealed weights; centered_clip's from the published Gram matrix
    and medoid (recomputed here with the reducer's own code), whose medoid must be a medoid of that matrix and
    whose distances must agree with the members' sketches (a reducer understating how far its own row lies, or
-   overstating the others', to escape clipping in its own span, is caught here); trimmed_mean has none.
+   overstating the others', to escape clipping in its own span, is caught here); trimmed_mean has none. Under
+   a robust rule, rows the statement calls copies of an earlier row get 0 and count once: their samples must
+   equal that row's exactly and their sketches nearly (so a reducer cannot drop an honest row as a copy); with
+   fewer than 3 distinct rows the coefficients follow from the published norms (each row scaled to the
+   smallest), which must agree with the sketches as the distances do.
 2. **Samples.** At the sampled coordinates the rule is recomputed from the members' values and compared with
    the average this member received, within the codec's bound read from the payload (payloads.py).
 3. **Envelope.** Per coarse block the average's magnitude stays within the coefficients' combination of the
@@ -21,7 +25,12 @@ import math
 
 import torch
 
-from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, cap_weights, clip_coefficients
+from peerd.averaging.aggregation import (
+    ROBUST_MIN_MEMBERS,
+    cap_weights,
+    clip_coefficients,
+    equalized_coefficients,
+)
 from peerd.averaging.verify.payloads import (
     ENVELOPE_SLACK,
     FP16_ABSOLUTE,
@@ -35,7 +44,7 @@ from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import Chunk, Statement
 from peerd.config import AveragingConfig
 
-__all__ = ["Inconsistent", "check_chunk", "check_medoid", "coefficients_of", "trimmed_at"]
+__all__ = ["SKETCH_TOLERANCE", "Inconsistent", "check_chunk", "check_medoid", "coefficients_of", "trimmed_at"]
 
 COEFFICIENT_TOLERANCE = 1e-6
 ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes summed
@@ -45,6 +54,8 @@ ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes
 SKETCH_LOW, SKETCH_HIGH = 0.015, 16.0
 SKETCH_FLOAT = 1e-5
 MEDOID_TOLERANCE = 1e-3
+SKETCH_TOLERANCE = 1e-4  # how far a member's sketch may be from its row's, relative to the row's sketch norm
+COPY_SKETCH = 2 * SKETCH_TOLERANCE  # identical rows' sketches: each may be that far from the row's
 
 
 class Inconsistent(Exception):
@@ -57,25 +68,33 @@ class Inconsistent(Exception):
 
 
 def coefficients_of(statement: Statement, chunk: Chunk, config: AveragingConfig) -> torch.Tensor | None:
-    """The coefficients the statement's rule gives ``chunk``'s rows (None for trimmed_mean), checked against
-    the published ones; ValueError if the reducer's numbers do not follow from its rule."""
+    """The coefficients the statement's rule gives ``chunk``'s rows (None for trimmed_mean over 3 or more
+    distinct rows), checked against the published ones; ValueError if the reducer's numbers do not follow from
+    its rule."""
     weights = [statement.rows[r].weight for r in chunk.included]
-    n = len(weights)
     if not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError("a row's weight is not finite and positive")
+    distinct = chunk.distinct
     if statement.rule == "mean":
+        if len(distinct) != len(weights):
+            raise ValueError("the mean counts every row, copies included")
         expected = torch.tensor(weights, dtype=torch.float64) / sum(weights)
-    elif n < ROBUST_MIN_MEMBERS:
-        capped = torch.tensor(cap_weights(weights, config.max_weight_ratio), dtype=torch.float64)
-        expected = capped / capped.sum()
-    elif statement.rule == "trimmed_mean":
-        return None
     else:
-        if chunk.gram is None:
-            raise ValueError("centered_clip without a Gram matrix")
-        check_medoid(chunk.gram, chunk.medoid)
-        expected, _ = clip_coefficients(chunk.gram, cap_weights(weights, config.max_weight_ratio), chunk.medoid,
-                                        config.clip_radius, config.clip_iterations)
+        capped = cap_weights([weights[i] for i in distinct], config.max_weight_ratio)
+        if len(distinct) < ROBUST_MIN_MEMBERS:
+            if chunk.norms is None or not bool(chunk.norms.isfinite().all()) or bool((chunk.norms < 0).any()):
+                raise ValueError(f"{len(distinct)} distinct rows without finite norms")
+            within = equalized_coefficients(chunk.norms, capped)
+        elif statement.rule == "trimmed_mean":
+            return None
+        else:
+            if chunk.gram is None:
+                raise ValueError("centered_clip without a Gram matrix")
+            check_medoid(chunk.gram, chunk.medoid)
+            within, _ = clip_coefficients(chunk.gram, capped, chunk.medoid, config.clip_radius,
+                                          config.clip_iterations)
+        expected = torch.zeros(len(weights), dtype=torch.float64)
+        expected[distinct] = within  # a copy's coefficient is 0
     published = chunk.coefficients
     if published is None or (torch.tensor(published, dtype=torch.float64) - expected).abs().max() > \
             COEFFICIENT_TOLERANCE:
@@ -123,7 +142,7 @@ def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSampl
     values = torch.stack([row.values[index] for row in rows])  # rows x samples, float64
     magnitude = values.abs().max(0).values
     if coefficients is None:
-        expected = trimmed_at(values)
+        expected = trimmed_at(values[chunk.distinct])
     else:
         expected = coefficients @ values
         magnitude = magnitude + coefficients.abs() @ values.abs()
@@ -138,19 +157,45 @@ def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSampl
     own = envelope(payload, out, config.codec.block_size).double()
     if own.shape != bound.shape or bool(own.gt(bound * ENVELOPE_SLACK + FP16_ABSOLUTE).any()):
         raise Inconsistent(index, "the average exceeds what its rows' magnitudes allow in some block")
-    if chunk.gram is not None and coefficients is not None and len(chunk.included) >= ROBUST_MIN_MEMBERS:
-        sketches = [row.sketch[index] if row.sketch is not None else None for row in rows]
-        _check_gram(chunk, index, sketches)
-
-
-def _check_gram(chunk: Chunk, index: int, sketches: list[torch.Tensor | None]) -> None:
+    if statement.rule == "mean":
+        return
+    sketches = [row.sketch[index] if row.sketch is not None else None for row in rows]
     if any(s is None for s in sketches):
-        raise Inconsistent(index, "centered_clip's distances cannot be checked: a row has no sketch")
+        raise Inconsistent(index, f"{statement.rule}'s numbers cannot be checked: a row has no sketch")
     stacked = torch.stack([s for s in sketches if s is not None])
-    assert chunk.gram is not None
-    claimed = _distances(chunk.gram)
+    _check_copies(chunk, index, statement.rule, values, stacked)
+    distinct = stacked[chunk.distinct]
+    if chunk.gram is not None and coefficients is not None:
+        _check_gram(chunk.gram, index, distinct)
+    if chunk.norms is not None:
+        _check_norms(chunk.norms, index, distinct)
+
+
+def _check_copies(chunk: Chunk, index: int, rule: str, values: torch.Tensor, sketches: torch.Tensor) -> None:
+    """Rows declared copies hold the same values at the samples, exactly, and the same sketch up to float
+    rounding (each member projects its own row); an honest row called a copy shows it at almost every sample."""
+    for i, first in enumerate(chunk.same_as):
+        if first == i:
+            continue
+        scale = float(sketches[first].norm()) + float(sketches[i].norm())
+        if not torch.equal(values[i], values[first]) or float(
+                (sketches[i] - sketches[first]).abs().max()) > COPY_SKETCH * scale + 1e-30:
+            raise Inconsistent(index, f"{rule} counts row {i} as a copy of row {first}, and the rows differ")
+
+
+def _check_gram(gram: torch.Tensor, index: int, stacked: torch.Tensor) -> None:
+    claimed = _distances(gram)
     sketched = ((stacked[:, None, :] - stacked[None, :, :]) ** 2).sum(-1) / SKETCH_SIZE
     norms = (stacked**2).sum(-1) / SKETCH_SIZE
     slack = SKETCH_FLOAT * (norms[:, None] + norms[None, :])
     if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
         raise Inconsistent(index, "the published Gram matrix disagrees with the rows' sketched distances")
+
+
+def _check_norms(claimed: torch.Tensor, index: int, stacked: torch.Tensor) -> None:
+    """The published squared norms of the distinct rows against their sketches, within the bounds that hold the
+    distances (a row's norm is its distance from zero)."""
+    sketched = (stacked**2).sum(-1) / SKETCH_SIZE
+    slack = SKETCH_FLOAT * sketched + 1e-300
+    if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
+        raise Inconsistent(index, "the published norms disagree with the rows' sketched norms")

@@ -4,8 +4,9 @@ A member whose checks of a span fail challenges its reducer for the rows of one 
 answers with every included row's payload; each must hash to what its member sealed. From them the rule is
 recomputed over the whole chunk:
 
-- an average that is not its rule applied to the rows, coefficients or a Gram matrix that do not follow from
-  them, or a statement carrying a seal that does not check out: the **reducer** lied;
+- an average that is not its rule applied to the rows; coefficients, copies, norms or a Gram matrix that do
+  not follow from them (copies are compared exactly, as the reducer compares them); or a statement carrying a
+  seal that does not check out: the **reducer** lied;
 - samples, an envelope or a sketch that misstate a member's sealed row: that **member** lied (to frame the
   reducer, or to hide its own row), whatever the reducer did.
 
@@ -23,15 +24,15 @@ from dataclasses import dataclass, field
 import blake3
 import torch
 
-from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around
+from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, distinct
 from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds
-from peerd.averaging.verify.checks import check_medoid, coefficients_of, trimmed_at
+from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
 from peerd.averaging.verify.keys import KeyBook
 from peerd.averaging.verify.payloads import TINY, envelope, error_bound, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples
-from peerd.averaging.verify.statement import OUTPUT, SEAL, Statement, output_parts, seal_parts
+from peerd.averaging.verify.statement import OUTPUT, SEAL, Chunk, Statement, output_parts, seal_parts
 from peerd.config import AveragingConfig
 from peerd.errors import CodecError
 from peerd.wire import codec
@@ -39,7 +40,6 @@ from peerd.wire import codec
 __all__ = ["Judgment", "judge_chunk", "misstated_row", "output_signed"]
 
 GRAM_TOLERANCE = 1e-3  # relative to sqrt(G_ii G_jj): float32 Gram sums over a chunk differ across machines
-SKETCH_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -130,33 +130,21 @@ def _misstated(member: MemberSamples, statement: Statement, index: int, row: tor
 def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Tensor], out: bytes,
                    config: AveragingConfig) -> str | None:
     chunk = statement.chunks[index]
-    rows = torch.stack([decoded[r] for r in chunk.included]).double()
+    raw = torch.stack([decoded[r] for r in chunk.included])
+    rows = raw.double()
     try:
         average = codec.decode(out, peer_id=statement.reducer, expected_shape=(rows.shape[1],))
     except CodecError as e:
         return f"its signed average does not decode: {e.message}"
-    robust = statement.rule == "centered_clip" and len(chunk.included) >= ROBUST_MIN_MEMBERS
-    exact = None
-    if robust:
-        differences = torch.stack([decoded[r] for r in chunk.included])
-        differences = differences - differences[0]
-        exact = (differences @ differences.t()).double()  # as the reducer computes it
-        if not bool(exact.isfinite().all()):
-            return None  # the rows overflow float32's Gram matrix: no rule's numbers can be checked here
     try:
+        if statement.rule != "mean" and not _robust_numbers(chunk, raw):
+            return None  # the rows overflow float32's Gram matrix: no rule's numbers can be checked here
         coefficients = coefficients_of(statement, chunk, config)
-        if exact is not None and chunk.gram is not None:
-            exact = around(exact, chunk.medoid)
-            scale = exact.diagonal().clamp_min(0).sqrt()
-            slack = GRAM_TOLERANCE * (scale[:, None] * scale[None, :] + 1e-3 * float(exact.diagonal().max()))
-            if bool(((chunk.gram - exact).abs() > slack + 1e-300).any()):
-                raise ValueError("its published Gram matrix is not its rows'")
-            check_medoid(exact, chunk.medoid)
     except ValueError as e:
         return str(e)
     magnitude = rows.abs().max(0).values
     if coefficients is None:
-        expected = trimmed_at(rows)
+        expected = trimmed_at(rows[chunk.distinct])
     else:
         expected = coefficients @ rows
         magnitude += coefficients.abs() @ rows.abs()
@@ -168,3 +156,30 @@ def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Te
         return (f"its average of chunk {index} is {float(average[worst]):.6g} at element {worst}, its rule "
                 f"applied to the sealed rows gives {float(expected[worst]):.6g}")
     return None
+
+
+def _robust_numbers(chunk: Chunk, raw: torch.Tensor) -> bool:
+    """Checks a robust rule's published copies, norms and Gram matrix against the rows (float32, as the
+    reducer held them): ValueError naming the first that is not theirs; False if the rows overflow float32's
+    Gram matrix (nothing can be checked then), else True."""
+    gram = (raw @ raw.t()).double()  # as the reducer computes it
+    if not bool(gram.isfinite().all()):
+        return False
+    if distinct(raw, gram) != chunk.same_as:  # exact: torch.equal on the rows, as the reducer compares them
+        raise ValueError(f"its statement's copies {chunk.same_as} are not its rows' {distinct(raw, gram)}")
+    kept = chunk.distinct
+    if chunk.norms is not None:
+        exact = gram.diagonal()[kept]
+        if bool(((chunk.norms - exact).abs() > GRAM_TOLERANCE * exact + 1e-300).any()):
+            raise ValueError("its published norms are not its rows'")
+    if chunk.gram is not None and len(kept) >= ROBUST_MIN_MEMBERS:
+        differences = raw[kept] - raw[kept[0]]
+        centered = around((differences @ differences.t()).double(), chunk.medoid)
+        if not bool(centered.isfinite().all()):
+            return False
+        scale = centered.diagonal().clamp_min(0).sqrt()
+        slack = GRAM_TOLERANCE * (scale[:, None] * scale[None, :] + 1e-3 * float(centered.diagonal().max()))
+        if bool(((chunk.gram - centered).abs() > slack + 1e-300).any()):
+            raise ValueError("its published Gram matrix is not its rows'")
+        check_medoid(centered, chunk.medoid)
+    return True

@@ -20,12 +20,19 @@ from typing import Protocol
 
 import blake3
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
-from peerd.swarm.signing import verify_detached
+from peerd.swarm.signing import (
+    MAX_PUBLIC_KEY,
+    MAX_SIGNATURE,
+    PSS,
+    detached_message,
+    load_public_key,
+    peer_id_of,
+)
 
 __all__ = ["Identity", "KeyBook", "SigningKey", "digest", "f64", "u64"]
 
@@ -33,6 +40,23 @@ CERTIFICATE = b"peerd.v1.averaging.signing-key"
 SIGNATURE_BYTES = 64
 KEY_BYTES = 32
 KEYBOOK_SIZE = 4096
+
+
+def verify_detached(public_key: bytes, label: bytes, message: bytes, signature: bytes) -> str:
+    """The peer id of ``public_key`` if ``signature`` is its ``RecordSigner.sign_detached`` over ``label`` and
+    ``message``; ProtocolViolation otherwise."""
+    if len(public_key) > MAX_PUBLIC_KEY or len(signature) > MAX_SIGNATURE:
+        raise ProtocolViolation("detached signature or key too large", peer_id="unknown", reason="malformed")
+    key = load_public_key(public_key)
+    if key is None:
+        raise ProtocolViolation("not an RSA public key", peer_id="unknown", reason="malformed")
+    signer = peer_id_of(public_key)
+    try:
+        key.verify(signature, detached_message(label, message), PSS, hashes.SHA256())
+    except InvalidSignature:
+        raise ProtocolViolation(f"signature claiming signer {signer} does not verify", peer_id=signer,
+                                reason="bad_signature") from None
+    return signer
 
 
 class Identity(Protocol):

@@ -14,6 +14,7 @@ import logging
 import blake3
 import torch
 
+from peerd.averaging.aggregation import Combined
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.round import RoundVerification
 from peerd.averaging.verify.samples import OwnRow
@@ -91,16 +92,23 @@ class SpanRecord:
         self.hashes[self.rank][index] = blake3.blake3(payload).digest()
         self.own_envelopes[index] = bound
 
-    def combined(self, index: int, members: list[str], coefficients: list[float] | None, medoid: int = 0,
-                 gram: torch.Tensor | None = None) -> None:
-        """How chunk ``index``'s average was made: ``members`` in rank order, their ``coefficients``."""
+    def combined(self, index: int, members: list[str], coefficients: list[float] | None,
+                 how: Combined | None = None) -> None:
+        """How chunk ``index``'s average was made: ``members`` in rank order, their ``coefficients``, and what a
+        robust rule did (``how``: copies, medoid, Gram matrix, norms)."""
         record = self.records[index]
         record.included[:] = [self.group.rank_of(m) for m in members]
         if coefficients is not None:
             record.coefficients[:] = coefficients
-        record.medoid = medoid
-        if gram is not None:
-            record.gram[:] = gram.reshape(-1).tolist()
+        if how is None:
+            return
+        record.medoid = how.medoid
+        if how.gram is not None:
+            record.gram[:] = how.gram.reshape(-1).tolist()
+        if how.norms is not None:
+            record.norms[:] = how.norms.tolist()
+        if how.same_as is not None:
+            record.same_as[:] = how.same_as
 
     def sign_output(self, index: int, payload: bytes | bytearray) -> bytes:
         digest = blake3.blake3(payload).digest()

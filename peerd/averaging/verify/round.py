@@ -75,7 +75,7 @@ class RoundVerification:
         self.outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]] = {}
         self.samples: dict[str, MemberSamples] = {}
         self.unparsed: dict[str, pb.Signed] = {}
-        self.with_sketch = config.aggregation == "centered_clip" and len(group.members) >= 3
+        self.with_sketch = config.aggregation != "mean"  # robust rules: distances, norms and copies
         self.verdicts: dict[int, Verdict] = {}
         self.own_void: list[int] = []
         # set once this member's own span is averaged: every member that will contribute has sent its request

@@ -5,9 +5,10 @@
   a statement includes is one its member committed to.
 - The reducer signs each averaged chunk (**output signature**: round, span, chunk, hash of the payload), the
   same signature for every member, so an average a member received is provably the reducer's.
-- The **statement** lists, per chunk, whose rows entered the average and with which coefficients (and for
-  centered_clip the medoid and the Gram matrix the coefficients follow from); per row, the member's weight,
-  chunk hashes, seal and credentials.
+- The **statement** lists, per chunk, whose rows entered the average and with which coefficients, which rows
+  are copies of an earlier one (robust rules count identical rows once), and the numbers the coefficients follow
+  from: for centered_clip the medoid and the Gram matrix of the distinct rows, for fewer than 3 distinct rows
+  their norms; per row, the member's weight, chunk hashes, seal and credentials.
 """
 
 from __future__ import annotations
@@ -53,9 +54,16 @@ class Row:
 class Chunk:
     included: list[int]  # ranks, ascending
     coefficients: list[float] | None  # None: trimmed_mean
-    medoid: int  # position in `included`
-    gram: torch.Tensor | None  # centered_clip: len(included) square, float64
+    medoid: int  # position in `distinct`
+    gram: torch.Tensor | None  # centered_clip: len(distinct) square, float64
     void: bool
+    same_as: list[int]  # per included row, the position of the first row identical to it (its own if none)
+    norms: torch.Tensor | None  # fewer than 3 distinct rows: their squared norms, float64
+
+    @property
+    def distinct(self) -> list[int]:
+        """Positions in ``included`` of the rows that copy no earlier one."""
+        return [i for i, first in enumerate(self.same_as) if first == i]
 
 
 @dataclass(frozen=True)
@@ -126,10 +134,18 @@ def _chunk(record: pb.ChunkRecord, index: int, rows: dict[int, Row]) -> Chunk:
         raise ValueError(f"chunk {index} includes ranks without a row: {included[:64]}")
     if record.coefficients and len(record.coefficients) != n:
         raise ValueError(f"chunk {index}: {len(record.coefficients)} coefficients for {n} rows")
-    gram = None
+    same_as = list(record.same_as) or list(range(n))
+    if len(same_as) != n or any(first > i or same_as[first] != first for i, first in enumerate(same_as)):
+        raise ValueError(f"chunk {index}: copies that do not fit {n} rows")
+    k = sum(1 for i, first in enumerate(same_as) if first == i)
+    gram = norms = None
     if record.gram:
-        if len(record.gram) != n * n or record.medoid >= n:
-            raise ValueError(f"chunk {index}: Gram matrix or medoid does not fit {n} rows")
-        gram = torch.tensor(list(record.gram), dtype=torch.float64).view(n, n)
+        if len(record.gram) != k * k or record.medoid >= k:
+            raise ValueError(f"chunk {index}: Gram matrix or medoid does not fit {k} distinct rows")
+        gram = torch.tensor(list(record.gram), dtype=torch.float64).view(k, k)
+    if record.norms:
+        if len(record.norms) != k:
+            raise ValueError(f"chunk {index}: {len(record.norms)} norms for {k} distinct rows")
+        norms = torch.tensor(list(record.norms), dtype=torch.float64)
     coefficients = [float(c) for c in record.coefficients] if record.coefficients else None
-    return Chunk(included, coefficients, record.medoid, gram, record.void)
+    return Chunk(included, coefficients, record.medoid, gram, record.void, same_as, norms)

@@ -43,3 +43,8 @@ def require_libraries() -> None:
             "(scripts/setup.sh installs them)", field="training.task.name") from e
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     datasets.disable_progress_bars()
+    # What USE_TORCH=0 does for datasets alone (transformers needs torch): with torch in view, every streaming
+    # data set puts an epoch counter in a shared-memory tensor, which goes through hivemind's torch_shm_manager;
+    # one per stream opened, and freeing them after that manager has exited aborts the process. The task reads
+    # arrow tables and needs none of datasets' torch integration.
+    datasets.config.TORCH_AVAILABLE = False

@@ -2,10 +2,10 @@
 
 Every peer reads the same records in the same order: the files in the order given (each glob sorted), a record
 per JSON line or Parquet row (its ``field``), or per block of whole lines of plain text (about
-``text_block_chars``), or the Hub data set's rows. The first records, as many as it takes to
-pack ``val_batches * batch_size`` sequences, hold the validation set, identical on every peer; the records after
-them are dealt round-robin, record ``i`` to shard ``i % num_shards``, so shards are disjoint from each other and
-from validation. A peer tokenizes only its own records, packs their tokens (an end-of-text token after each JSON
+``text_block_chars``), or the Hub data set's rows. Every ``val_every``-th record from the start, as many as it
+takes to pack ``val_batches * batch_size`` sequences, holds the validation set, identical on every peer; the
+other records are numbered in order and dealt round-robin, training record ``j`` to shard ``j % num_shards``, so
+shards are disjoint from each other and from validation. A peer tokenizes only its own records, packs their tokens (an end-of-text token after each JSON
 or Parquet record) into ``seq_len`` sequences and shuffles them in a bounded buffer; nothing holds more than that buffer,
 so a corpus of any size streams. Every epoch replays the shard, reshuffled.
 """
@@ -76,7 +76,7 @@ class Corpus:
         self.seq_len = seq_len
         self.seed = seed
         self.eos: list[int] = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        self.held_out = 0  # records that hold the validation set, set by validation()
+        self.last_held_out = -1  # the last record of the validation set, set by validation()
 
     # --- records ------------------------------------------------------------------------------------------------
 
@@ -193,31 +193,40 @@ class Corpus:
                 del buffer[:whole]
 
     def validation(self, count: int) -> torch.Tensor:
-        """The first ``count`` sequences of the data, ``(count, seq_len)``; remembers how many records they took
-        so that training never reads them."""
-        used = 0
+        """``count`` sequences, ``(count, seq_len)``, from every ``val_every``-th record of the data from the start
+        (spread over the corpus, not only its first file); remembers the last record they took, so that training
+        never reads those records."""
+        last = -1
 
         def tokens() -> Iterator[list[int]]:
-            nonlocal used
-            for record in self.records():  # one at a time: the records after the last sequence stay unread
-                used += 1
-                yield from self._tokenize([record])
+            nonlocal last
+            for index, record in enumerate(self.records()):  # one at a time: the next ones stay unread
+                if index % self.options.val_every == 0:
+                    last = index
+                    yield from self._tokenize([record])
 
         sequences = list(itertools.islice(self._pack(tokens()), count))
         if len(sequences) < count:
             raise ConfigError(
-                f"the data holds {len(sequences)} sequences of seq_len {self.seq_len}, fewer than the {count} the "
-                f"validation set alone needs (val_batches x batch_size): add data, or lower "
-                f"{OPTIONS_FIELD}.val_batches or {OPTIONS_FIELD}.seq_len", field=f"{OPTIONS_FIELD}.val_batches"
+                f"the data holds {len(sequences)} sequences of seq_len {self.seq_len} for validation (every "
+                f"{self.options.val_every}th record), fewer than the {count} the validation set needs (val_batches "
+                f"x batch_size): add data, or lower {OPTIONS_FIELD}.val_batches, {OPTIONS_FIELD}.seq_len or "
+                f"{FIELD}.val_every", field=f"{OPTIONS_FIELD}.val_batches"
             )
-        self.held_out = used
+        self.last_held_out = last
         return torch.tensor(sequences, dtype=torch.long)
 
+    def held_out(self, index: int) -> bool:
+        """Whether record ``index`` belongs to the validation set (only once :meth:`validation` has run)."""
+        return index % self.options.val_every == 0 and index <= self.last_held_out
+
     def train_sequences(self, shard: int, num_shards: int, epoch: int) -> Iterator[list[int]]:
-        """This shard's sequences for one epoch, shuffled within the buffer."""
+        """This shard's sequences for one epoch, shuffled within the buffer: the training records (all but the
+        held-out ones, numbered in order) whose number is ``shard`` modulo ``num_shards``."""
         def dealt() -> Iterator[Record]:
+            training = itertools.count()
             for index, record in enumerate(self.records()):
-                if index >= self.held_out and (index - self.held_out) % num_shards == shard:
+                if not self.held_out(index) and next(training) % num_shards == shard:
                     yield record
 
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "shuffle", shard, epoch))

@@ -32,7 +32,8 @@ class DataOptions(BaseModel):
 
     files: list[str] = Field(
         default_factory=list,
-        description="Local files or glob patterns (`**` recurses), read in sorted order; a pattern may start with "
+        description="Local files or glob patterns (`**` recurses), read in the order given, each glob sorted; a "
+        "pattern may start with "
         f"{STDLIB}, the directory of this Python's standard library (text every machine has).",
     )
     format: Literal["auto", "text", "json", "parquet"] = Field(
@@ -50,6 +51,12 @@ class DataOptions(BaseModel):
         default=4096, ge=64, le=2**20,
         description="Plain text is cut into blocks of whole lines of about this many characters; blocks are what "
         "is dealt to the shards, so a shard reads runs of consecutive lines.",
+    )
+    val_every: int = Field(
+        default=50, ge=1, le=2**20,
+        description="Every val_every-th record from the start goes to the validation set until it holds "
+        "val_batches x batch_size sequences (1: the first records), so it samples the corpus rather than its "
+        "first file; those records are never trained on.",
     )
     shuffle_buffer: int = Field(
         default=256, ge=1, le=2**20,
@@ -86,7 +93,7 @@ class HFOptions(BaseModel):
     seq_len: int = Field(default=256, ge=2, le=2**20, description="Tokens per packed sequence.")
     batch_size: int = Field(default=8, ge=1, description="Sequences per micro-batch.")
     val_batches: int = Field(
-        default=4, ge=1, description="Held-out batches: the first sequences of the data, never trained on."
+        default=4, ge=1, description="Held-out batches (data.val_every says which records), never trained on."
     )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward pass: less memory, more compute."

@@ -7,8 +7,9 @@ previous round is still in flight waits for it first; a round is bounded by the 
 timeouts, so a dead peer holds nobody for longer.
 
 A training state holds the shared parameters and outer momentum besides the model and the inner optimizer. A
-joiner is served the shared parameters as its model (it starts the phase from theta, not from the donor's
-mid-phase weights); a checkpoint keeps this peer's own, so a resumed peer keeps its progress in the phase.
+joiner loads the shared parameters and outer momentum the group agreed on after a round and starts the phase
+from theta, with its own inner optimizer; a checkpoint keeps this peer's own model, so a resumed peer keeps its
+progress in the phase.
 """
 
 from __future__ import annotations
@@ -37,21 +38,34 @@ class DilocoMode(Mode):
         self.outer = OuterState(host.config.diloco, host.local)
         self.overlap = host.config.diloco.overlap
         self.pending: asyncio.Future[None] | None = None
+        self.accumulate = host.config.diloco.accumulate
+        self._accumulated = (0, 0)  # micro-batches and samples whose gradients await the next inner step
 
     def batch_complete(self, view: SwarmProgress) -> bool:
         """The trainers at this phase have taken inner_steps micro-batches each on average (faster peers more,
-        slower ones fewer: nobody waits)."""
+        slower ones fewer: nobody waits). Those that already ended it count with what they had then, so the
+        others end it right after them and meet them in its round."""
         h = self.host
-        if view.max_step > h.step:  # someone already ended this phase: end it too, so we meet in its round
+        believed = h.evidence.believed_step(view)
+        if believed is not None and believed > h.step:  # the group ended this phase: end it too
             return True
-        others = [p for peer, p in view.peers.items() if p.step == h.step and peer != h.peer_id]
-        samples = h.samples + sum(p.samples for p in others)
-        return samples >= h.config.diloco.inner_steps * h.local.task.batch_size * (1 + len(others))
+        samples, others = h.evidence.counted_samples(view, h.step, h.samples, moved_on=True)
+        per_peer = h.config.diloco.inner_steps * self.accumulate * h.local.task.batch_size
+        return samples >= per_peer * (1 + others)
 
     def after_backward(self, samples: int) -> str | None:
-        refused = self.host.local.inner_step(samples)
+        micro_batches, accumulated = self._accumulated
+        self._accumulated = (micro_batches + 1, accumulated + samples)
+        return self._inner_step() if micro_batches + 1 >= self.accumulate else None
+
+    def _inner_step(self) -> str | None:
+        """One inner optimizer step with the gradients accumulated since the last (None if there are none)."""
+        micro_batches, samples = self._accumulated
+        if not micro_batches:
+            return None
+        self._accumulated = (0, 0)
         self.host.report.inner_steps += 1
-        return refused
+        return self.host.local.inner_step(samples)
 
     @property
     def in_flight(self) -> bool:
@@ -68,6 +82,10 @@ class DilocoMode(Mode):
         await h.publish()  # the others see at once that this peer's share is complete
         phase, weight = h.step, float(h.samples)
         async with h.step_lock:
+            # a phase the swarm ended between inner steps: the gradients accumulated so far still count
+            refused = await asyncio.to_thread(self._inner_step)
+            if refused is not None:
+                logger.error("Phase %d, last inner step: not applied: %s", phase, refused)
             pseudo = await asyncio.to_thread(self.outer.end_phase)
             h.step, h.samples, h.report.inner_steps = phase + 1, 0, 0
         h.report.step = h.step
@@ -93,6 +111,8 @@ class DilocoMode(Mode):
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1
+        elif averaged is not pseudo or h.alone():  # the group's members (or this lone one) hold this state
+            await h.agreed(phase + 1)
         every = h.config.state_averaging_every
         if every and (phase + 1) % every == 0:
             await h.average_state(phase + 1)
@@ -134,16 +154,24 @@ class DilocoMode(Mode):
     def load_averaged_state(self, flat: torch.Tensor) -> None:
         self.outer.load_flat(flat)
 
+    def averaged_numel(self) -> int:
+        return self.outer.flat_numel()
+
+    def load_agreed(self, flat: torch.Tensor) -> None:
+        """The phase starts from the group's theta: this peer's progress in its own phase is dropped."""
+        self.outer.adopt(flat)
+
     def template(self) -> Template:
         layout = super().template()
         layout.update({name: (tuple(t.shape), t.dtype) for name, t in self.outer.named().items()})
         return layout
 
-    def capture(self, step: int, for_joiner: bool = False) -> TrainingState:
-        tensors = self.host.local.export_state(parameters=self.outer.shared if for_joiner else None)
+    def capture(self, step: int, shared: bool = False) -> TrainingState:
+        tensors = self.host.local.export_state(parameters=self.outer.shared if shared else None)
         tensors.update({name: t.detach().to("cpu", copy=True).contiguous() for name, t in self.outer.named().items()})
         return TrainingState(step, tensors)
 
     def restore(self, state: TrainingState) -> None:
         super().restore(state)
         self.outer.load_named(state.tensors)
+        self._accumulated = (0, 0)  # the caller drops the gradients: they belong to the state replaced

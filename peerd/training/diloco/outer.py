@@ -106,6 +106,20 @@ class OuterState:
                 t.copy_(part)
         self.fold()
 
+    def flat_numel(self) -> int:
+        return self.shared.numel() * (2 if self.momentum is not None else 1)
+
+    def adopt(self, flat: torch.Tensor) -> None:
+        """Loads :meth:`flat`'s layout as the shared state and makes it the model and the anchor: the next
+        phase starts from the group's theta."""
+        parts = [self.shared] + ([self.momentum] if self.momentum is not None else [])
+        with torch.no_grad():
+            for t, part in flat_views(parts, flat):
+                t.copy_(part)
+            for p, part in flat_views(self.local.params, self.shared):
+                p.copy_(part)
+            self.anchor.copy_(self.shared)
+
     def load_named(self, tensors: dict[str, torch.Tensor]) -> None:
         """Loads :meth:`named`'s tensors from a checked state; the next phase is measured from theta."""
         with torch.no_grad():

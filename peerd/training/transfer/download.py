@@ -7,25 +7,31 @@ blob); every frame must have exactly the length the manifest implies. A donor th
 ``stall_timeout`` seconds is dropped for the next candidate, which is asked to continue from the same byte if
 it holds the same step and layout, and otherwise starts over. The state is checked with
 :func:`~peerd.training.state.check_state` before it is returned.
+
+A donor that announces its tensors' digests (:mod:`.digest`) is checked tensor by tensor as each completes,
+and an ``accept`` callback decides from the manifest's step and root whether the state is one to load at all.
+Each tensor then comes whole from one donor (a download that switches donors restarts the current tensor), so
+a tensor that does not match its digest proves its one donor lied: it goes to :class:`~peerd.training.distrust.
+Distrust`, which the downloader consults before asking anyone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
-from google.protobuf.message import DecodeError
 
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
+from peerd.training.distrust import Distrust
 from peerd.training.state import Template, TrainingState, check_state
 from peerd.training.transfer.manifest import (
     HANDLER_NAME,
-    MAX_MANIFEST_BYTES,
     PROTOCOL_VERSION,
     STALL_TIMEOUT,
     Manifest,
@@ -36,10 +42,11 @@ from peerd.training.transfer.manifest import (
     manifest_limit,
     nbytes,
 )
-from peerd.wire.frames import read_frame, read_frame_into, write_message
+from peerd.training.transfer.probe import read_response
+from peerd.wire.frames import read_frame_into, write_message
 from peerd.wire.guard import StreamGuard
 
-__all__ = ["StateDownloader", "probe_state"]
+__all__ = ["Accept", "StateDownloader"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +54,22 @@ ROUNDS = 3  # passes over the candidates (the first given, the others refreshed)
 RETRY_DELAY = 2.0  # seconds between passes: every donor may have been busy
 
 Refresh = Callable[[], Awaitable[Sequence[str]]]
+# Given a checked manifest and its donor: None to download it, else why not (the donor is skipped, not accused).
+Accept = Callable[[Manifest, str], Awaitable[str | None]]
+EMPTY_DIGEST = hashlib.sha256().digest()
+
+
+class _Lie(StateError):
+    """A donor sent bytes that do not match the digest it announced for them."""
 
 
 class StateDownloader:
     def __init__(self, guard: StreamGuard, fingerprint: str, template: Template, max_bytes: int, *,
-                 stall_timeout: float = STALL_TIMEOUT, rounds: int = ROUNDS, retry_delay: float = RETRY_DELAY) -> None:
+                 stall_timeout: float = STALL_TIMEOUT, rounds: int = ROUNDS, retry_delay: float = RETRY_DELAY,
+                 distrust: Distrust | None = None) -> None:
+        """``distrust``: donors not to ask, and where a donor caught lying is reported."""
         self.guard = guard
+        self.distrust = distrust if distrust is not None else Distrust()
         self.fingerprint = fingerprint
         self.template = template
         self.max_bytes = max_bytes
@@ -71,6 +88,9 @@ class StateDownloader:
         self._done = 0
         self._logged_tenth = 0  # tenths of the state reported in the log so far
         self._tried: dict[str, None] = {}  # donors of the current download, in order
+        self._accept: Accept | None = None
+        self._into: Callable[[], dict[str, torch.Tensor]] | None = None
+        self._hash = hashlib.sha256()  # of the current tensor's bytes so far, with digests
         self._total = sum(nbytes(shape, dtype) for shape, dtype in template.values())
 
     def status(self) -> dict[str, Any]:
@@ -84,13 +104,16 @@ class StateDownloader:
             "seconds": round(end - self._began, 3) if self._began is not None else 0.0,
         }
 
-    async def download(self, candidates: Sequence[str], refresh: Refresh | None = None,
-                       min_step: int = 0) -> TrainingState:
-        """The state of a donor among ``candidates`` (tried in order) at step ``min_step`` or later, checked
-        against the template. When all fail, ``refresh`` gives the next candidates, up to ``rounds`` passes;
-        then StateError lists what each donor did."""
+    async def download(self, candidates: Sequence[str], refresh: Refresh | None = None, min_step: int = 0,
+                       accept: Accept | None = None,
+                       into: Callable[[], dict[str, torch.Tensor]] | None = None) -> TrainingState:
+        """The state of a donor among ``candidates`` (tried in order, excluded donors skipped) at step
+        ``min_step`` or later, checked against the template. ``accept``: only manifests with digests it accepts,
+        each tensor checked against its digest. ``into``: makes the tensors (of the template's names and
+        sizes) to download into, instead of fresh ones. When all fail, ``refresh`` gives the next candidates,
+        up to ``rounds`` passes; then StateError lists what each donor did."""
         self.state, self.donor, self.donors_tried, self.bytes_from = "downloading", None, 0, {}
-        self._tried = {}
+        self._tried, self._accept, self._into = {}, accept, into
         self._began, self._ended = time.monotonic(), None
         self._manifest, self._position, self._done = None, (0, 0), 0
         self._logged_tenth = 0
@@ -103,6 +126,9 @@ class StateDownloader:
                     await asyncio.sleep(self.retry_delay)
                     candidates = await refresh()
                 for peer in candidates:
+                    if self.distrust.excluded(peer):
+                        problems.append(f"{peer} is excluded: it served a state that was not what it announced")
+                        continue
                     state = await self._try(peer, min_step, problems)
                     if state is not None:
                         self.state = "done"
@@ -121,6 +147,9 @@ class StateDownloader:
         self._tried[peer] = None
         try:
             await self._fetch(peer, min_step)
+        except _Lie as e:
+            problems.append(str(e))
+            self.distrust.accuse(peer, str(e))
         except TimeoutError:
             problems.append(f"{peer} sent nothing for {self.stall_timeout:.0f}s")
         except (StateError, ProtocolViolation) as e:
@@ -130,7 +159,7 @@ class StateDownloader:
         else:
             assert self._manifest is not None and self._buffers is not None  # _fetch completed a transfer
             tensors = {name: self._buffers[name] for name in self._manifest.names}
-            state = TrainingState(self._manifest.step, tensors)
+            state = TrainingState(self._manifest.step, tensors, self._manifest.digests)
             donors = ", ".join(self.bytes_from)
             try:
                 await asyncio.to_thread(check_state, state, self.template, f"state from {donors}")
@@ -143,6 +172,9 @@ class StateDownloader:
             logger.info("Downloaded the training state at step %d (%d bytes) from %s in %.1fs (%.1f Mbit/s)",
                         state.step, self._done, donors, seconds, self._done * 8 / 1e6 / max(seconds, 1e-6))
             return state
+        if self._manifest is not None and self._manifest.digests is not None:
+            index, offset = self._position  # a tensor comes whole from one donor: the next starts it over
+            self._position, self._done = (index, 0), self._done - offset
         logger.warning("State download failed (%d of %d bytes held): %s", self._done, self._total, problems[-1])
         return None
 
@@ -160,12 +192,13 @@ class StateDownloader:
                 if resume is not None:
                     request.resume.CopyFrom(resume)
                 await write_message(writer, request)
-                response = await _read_response(reader, peer, manifest_limit(self.template))
+                response = await read_response(reader, peer, manifest_limit(self.template))
                 manifest = check_manifest(response, peer, self.max_bytes)
                 check_against_template(manifest, self.template, peer)
                 if manifest.step < min_step:
                     raise StateError(f"{peer} offers step {manifest.step}; this peer needs {min_step} or later",
                                      source=peer)
+                await self._check_acceptable(manifest, peer)
                 self._begin(manifest, resume, peer)
                 views = [byte_view(self._buffer(name)) for name in manifest.names]
                 for index, offset, length in chunks(manifest.sizes, manifest.start, manifest.chunk_bytes):
@@ -176,12 +209,38 @@ class StateDownloader:
                         self.bytes_from[peer] += size
                         self._position = (index, self._position[1] + size)
 
-                    await read_frame_into(reader, views[index][offset : offset + length], peer,
-                                          f"chunk of tensor {manifest.names[index]}", arrived)
+                    frame = views[index][offset : offset + length]
+                    await read_frame_into(reader, frame, peer, f"chunk of tensor {manifest.names[index]}", arrived)
+                    if manifest.digests is not None:
+                        self._verify(manifest, index, offset, frame, peer)
                     self._advance()
                     self._log_progress(peer)
             finally:
                 writer.close()
+
+    async def _check_acceptable(self, manifest: Manifest, peer: str) -> None:
+        if self._accept is None:
+            return
+        if manifest.digests is None:
+            raise StateError(f"{peer} announces no digests of its state: nothing to check it against", source=peer)
+        reason = await self._accept(manifest, peer)
+        if reason is not None:
+            raise StateError(f"{peer} offers a state of step {manifest.step} that is not loaded: {reason}",
+                             source=peer)
+        for name, size, digest in zip(manifest.names, manifest.sizes, manifest.digests, strict=True):
+            if size == 0 and digest != EMPTY_DIGEST:
+                raise _Lie(f"{peer} announced a digest of empty tensor {name} that is not the empty one",
+                           source=peer)
+
+    def _verify(self, manifest: Manifest, index: int, offset: int, frame: memoryview, peer: str) -> None:
+        """Hashes a frame of a tensor this donor sends whole; at the tensor's end, compares with its digest."""
+        assert manifest.digests is not None
+        if offset == 0:
+            self._hash = hashlib.sha256()
+        self._hash.update(frame)
+        if offset + len(frame) == manifest.sizes[index] and self._hash.digest() != manifest.digests[index]:
+            raise _Lie(f"{peer} sent tensor {manifest.names[index]} of step {manifest.step} whose bytes do not "
+                       "match the digest it announced for them", source=peer)
 
     def _log_progress(self, peer: str) -> None:
         """One line per tenth of the state: a long download on a slow link shows that it moves, and where."""
@@ -193,7 +252,7 @@ class StateDownloader:
     def _resume_point(self) -> pb.ResumePoint | None:
         if self._manifest is None or self._done == 0:
             return None
-        index, offset = self._position
+        index, offset = self._position  # with digests, a failure has moved it back to a tensor's start
         return pb.ResumePoint(step=self._manifest.step, layout=self._manifest.digest, tensor=index, offset=offset)
 
     def _begin(self, manifest: Manifest, resume: pb.ResumePoint | None, peer: str) -> None:
@@ -218,7 +277,10 @@ class StateDownloader:
 
     def _buffer(self, name: str) -> torch.Tensor:
         if self._buffers is None:  # sized by our own template, never by what a donor announced
-            self._buffers = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in self.template.items()}
+            if self._into is not None:
+                self._buffers = self._into()
+            else:
+                self._buffers = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in self.template.items()}
         return self._buffers[name]
 
     def _advance(self) -> None:
@@ -229,35 +291,3 @@ class StateDownloader:
         while index < len(sizes) and offset >= sizes[index]:
             index, offset = index + 1, 0
         self._position = (index, offset)
-
-
-async def probe_state(guard: StreamGuard, peer: str, fingerprint: str, max_bytes: int,
-                      timeout: float = STALL_TIMEOUT) -> Manifest:
-    """A donor's manifest without its payload (its step and layout, checked on their own terms only)."""
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await guard.open(peer, HANDLER_NAME)
-            try:
-                await write_message(writer, pb.StateRequest(protocol_version=PROTOCOL_VERSION,
-                                                            fingerprint=fingerprint, manifest_only=True))
-                return check_manifest(await _read_response(reader, peer, MAX_MANIFEST_BYTES), peer, max_bytes)
-            finally:
-                writer.close()
-    except TimeoutError as e:
-        raise StateError(f"{peer} sent no state manifest within {timeout:.0f}s", source=peer) from e
-    except (StateError, ProtocolViolation):
-        raise
-    except Exception as e:  # a network boundary, as in StateDownloader._try
-        raise StateError(f"asking {peer} for its state failed: {type(e).__name__}: {e}", source=peer) from e
-
-
-async def _read_response(reader: asyncio.StreamReader, peer: str, limit: int) -> pb.StateResponse:
-    data = await read_frame(reader, limit, peer, "state manifest")
-    try:
-        response: pb.StateResponse = pb.StateResponse.FromString(data)  # protobuf's runtime is untyped
-    except DecodeError as e:
-        raise ProtocolViolation(f"{peer} sent a malformed state manifest: {e}", peer_id=peer) from e
-    if response.code != pb.STATE_OK:
-        code = pb.StateCode.Name(response.code) if response.code in pb.StateCode.values() else str(response.code)
-        raise StateError(f"{peer} has no state for us: {code} {response.message[:300]}", source=peer)
-    return response

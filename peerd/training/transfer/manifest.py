@@ -15,9 +15,10 @@ import torch
 from peerd.errors import ProtocolViolation, StateError
 from peerd.proto import peerd_training_pb2 as pb
 from peerd.training.state import Template, TrainingState
+from peerd.training.transfer.digest import DIGEST_BYTES, root_digest
 
 HANDLER_NAME = "peerd.v1.training.state"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 CHUNK_BYTES = 1 << 20
 # A donor that sends nothing (and a joiner that reads nothing) for this long is given up on; a transfer as a
 # whole has no deadline, since its length grows with the state and shrinks with the link.
@@ -46,14 +47,23 @@ class Manifest:
     sizes: tuple[int, ...]  # bytes of each tensor, in transfer order
     chunk_bytes: int
     start: tuple[int, int]  # (tensor index, offset) of the first payload byte
+    digests: tuple[bytes, ...] | None = None  # sha256 of each tensor's bytes, if the donor announced them
 
     @property
     def total_bytes(self) -> int:
         return sum(self.sizes)
 
     @property
+    def root(self) -> bytes | None:
+        """What members vouch for (:func:`~peerd.training.transfer.digest.root_digest`); None without digests."""
+        return root_digest(self.step, self.layout, self.digests) if self.digests is not None else None
+
+    @property
     def digest(self) -> bytes:
-        return layout_digest(self.layout)
+        """What a resume point names: the root if the donor announced digests (a donor with other contents
+        under the same layout restarts the joiner from zero), else the layout's digest."""
+        root = self.root
+        return root if root is not None else layout_digest(self.layout)
 
     def offset_of(self, position: tuple[int, int]) -> int:
         """Bytes of the state before ``position`` (a tensor index and an offset in it)."""
@@ -78,12 +88,24 @@ def layout_digest(layout: Template) -> bytes:
     return h.digest()
 
 
+def resume_key(state: TrainingState) -> bytes:
+    """What a joiner's resume point must name to continue a download of ``state``: :attr:`Manifest.digest`."""
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in state.tensors.items()}
+    if state.digests is not None:
+        return root_digest(state.step, layout, state.digests)
+    return layout_digest(layout)
+
+
 def encode_manifest(state: TrainingState, chunk_bytes: int, start: tuple[int, int] = (0, 0)) -> pb.StateResponse:
-    """Our own state's manifest; ValueError if it holds what the protocol cannot carry (a dtype, a name)."""
+    """Our own state's manifest, with its tensors' digests if the state has them; ValueError if it holds what
+    the protocol cannot carry (a dtype, a name)."""
     tensors = []
     if not 0 < len(state.tensors) <= MAX_TENSORS:
         raise ValueError(f"a state of {len(state.tensors)} tensors cannot be sent (1 to {MAX_TENSORS})")
-    for name, tensor in state.tensors.items():
+    digests = state.digests
+    if digests is not None and (len(digests) != len(state.tensors) or any(len(d) != DIGEST_BYTES for d in digests)):
+        raise ValueError(f"a state of {len(state.tensors)} tensors needs as many {DIGEST_BYTES}-byte digests")
+    for i, (name, tensor) in enumerate(state.tensors.items()):
         if tensor.dtype not in DTYPES or not NAME.fullmatch(name) or tensor.dim() > MAX_DIMS:
             raise ValueError(f"tensor {name[:80]!r} ({tensor.dtype}, {tensor.dim()} dims) cannot be sent: the "
                              f"protocol carries {sorted(map(str, DTYPES))}, names matching {NAME.pattern} and at "
@@ -91,7 +113,8 @@ def encode_manifest(state: TrainingState, chunk_bytes: int, start: tuple[int, in
         if tensor.device.type != "cpu" or tensor.layout != torch.strided or not tensor.is_contiguous():
             raise ValueError(f"tensor {name} is not a dense, contiguous CPU tensor")
         tensors.append(pb.TensorInfo(name=name, dtype=DTYPES[tensor.dtype], shape=tensor.shape,
-                                     nbytes=tensor.numel() * tensor.element_size()))
+                                     nbytes=tensor.numel() * tensor.element_size(),
+                                     sha256=digests[i] if digests is not None else b""))
     return pb.StateResponse(
         code=pb.STATE_OK, step=state.step, protocol_version=PROTOCOL_VERSION, tensors=tensors,
         total_bytes=sum(t.nbytes for t in tensors), chunk_bytes=chunk_bytes, start_tensor=start[0],
@@ -102,7 +125,8 @@ def encode_manifest(state: TrainingState, chunk_bytes: int, start: tuple[int, in
 def manifest_limit(template: Template) -> int:
     """The largest manifest frame a donor of ``template``'s state can send: ours with every number at its
     widest (a varint of at most 10 bytes)."""
-    fields = sum(len(name.encode()) + 16 + 11 * (len(shape) + 3) for name, (shape, _) in template.items())
+    fields = sum(len(name.encode()) + 16 + 11 * (len(shape) + 3) + 2 + DIGEST_BYTES
+                 for name, (shape, _) in template.items())
     return min(MAX_MANIFEST_BYTES, fields + 1024)
 
 
@@ -127,6 +151,9 @@ def check_manifest(response: pb.StateResponse, peer: str, max_bytes: int) -> Man
     layout: Template = {}
     sizes = []
     total = 0
+    announced = {len(info.sha256) for info in response.tensors}
+    if announced not in ({0}, {DIGEST_BYTES}):
+        raise bad(f"tensor digests of {sorted(announced)} bytes (all {DIGEST_BYTES}, or none)")
     for info in response.tensors:
         name = info.name
         if not NAME.fullmatch(name):
@@ -153,7 +180,8 @@ def check_manifest(response: pb.StateResponse, peer: str, max_bytes: int) -> Man
     start = (response.start_tensor, response.start_offset)
     if start != (0, 0) and not (start[0] < len(sizes) and start[1] < sizes[start[0]]):
         raise bad(f"payload starting at tensor {start[0]}, offset {start[1]}, outside the state")
-    return Manifest(int(response.step), tuple(layout), layout, tuple(sizes), response.chunk_bytes, start)
+    digests = tuple(bytes(info.sha256) for info in response.tensors) if announced == {DIGEST_BYTES} else None
+    return Manifest(int(response.step), tuple(layout), layout, tuple(sizes), response.chunk_bytes, start, digests)
 
 
 def check_against_template(manifest: Manifest, template: Template, peer: str) -> None:

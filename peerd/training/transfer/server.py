@@ -19,7 +19,7 @@ from typing import Any
 
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_training_pb2 as pb
-from peerd.training.state import TrainingState, template_of
+from peerd.training.state import TrainingState
 from peerd.training.transfer.manifest import (
     CHUNK_BYTES,
     HANDLER_NAME,
@@ -28,7 +28,7 @@ from peerd.training.transfer.manifest import (
     byte_view,
     chunks,
     encode_manifest,
-    layout_digest,
+    resume_key,
 )
 from peerd.wire.frames import read_message, wait_for_close, write_frame, write_message
 from peerd.wire.guard import StreamGuard
@@ -53,7 +53,7 @@ StateProvider = Callable[[], Awaitable[TrainingState | None]]
 class _Snapshot:
     state: TrainingState
     manifest: pb.StateResponse
-    digest: bytes
+    digest: bytes  # what a resume point must name (manifest.resume_key)
     views: list[memoryview]  # each tensor's bytes, in manifest order
     users: int = 0
 
@@ -90,8 +90,8 @@ class StateServer:
         try:
             await self._answer(reader, writer, peer)
             # The requester closes once it has read everything. Closing first, right after the last write, loses
-            # the tail inside p2pd: over QUIC every time, over TCP in 2 of ~500 transfers of the bench's p2pd
-            # row under load; a joiner would see truncated state.
+            # the tail inside p2pd (over QUIC every time, over TCP now and then under load): a joiner would see
+            # truncated state.
             await wait_for_close(reader, timeout=JOINER_READ_TIMEOUT, max_discard=1)
         except (ProtocolViolation, ConnectionError, OSError) as e:
             logger.info("State request from %s failed: %r", peer, e)
@@ -146,7 +146,7 @@ class StateServer:
                     logger.error("Cannot serve the training state: %s", e)
                     return f"cannot serve its state: {e}"
                 views = [byte_view(t) for t in state.tensors.values()]
-                self._snapshot = _Snapshot(state, manifest, layout_digest(template_of(state)), views)
+                self._snapshot = _Snapshot(state, manifest, resume_key(state), views)
             self._snapshot.users += 1
             return self._snapshot
 
@@ -167,7 +167,7 @@ class StateServer:
             else:
                 logger.info("%s asked to resume a download of step %d; this peer serves step %d%s: restarting "
                             "from zero", peer, resume.step, step,
-                            "" if resume.layout == snapshot.digest else " with another layout")
+                            "" if resume.layout == snapshot.digest else " with other contents")
         manifest = pb.StateResponse()
         manifest.CopyFrom(snapshot.manifest)
         manifest.start_tensor, manifest.start_offset = start

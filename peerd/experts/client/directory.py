@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from peerd.errors import PeerdError
-from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert
+from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert, bind
 from peerd.swarm.node import SwarmNode, now
 
 __all__ = ["MAX_BACKOFF", "Backoff", "ExpertDirectory"]
@@ -67,18 +67,18 @@ class ExpertDirectory:
 
     async def refresh(self) -> None:
         try:
-            seen = self._reader.parse(await self.swarm.read_entries(self.key))
+            claims = self._reader.parse(await self.swarm.read_entries(self.key))
         except PeerdError as e:
             logger.warning("Could not read expert records: %s", e)
             return
+        # A uid stays with the host it is bound to while that host's record lives: a DHT read may come back
+        # incomplete (a slow node), and another member may claim the uid (records.bind)
+        records, contested = bind(claims, self.records, now())
+        self._reader.contested(contested)
         for uid, backoff in list(self.backoff.items()):
-            if uid in seen and seen[uid].record.started_at != backoff.started_at:
+            if uid in records and records[uid].record.started_at != backoff.started_at:
                 del self.backoff[uid]  # the host restarted: give it a chance at once
-        # A DHT read may come back incomplete (a slow node); a record we already hold stays until it expires, so
-        # an expert leaves routing exactly when its host stopped announcing it, not on a lookup hiccup.
-        current = now()
-        kept = {uid: old for uid, old in self.records.items() if old.expires_at >= current and uid not in seen}
-        self.records = {**kept, **seen}
+        self.records = records
         if self.records:
             self._found.set()
 

@@ -1,24 +1,16 @@
 """Validation of an ExpertRequest header against what this host serves, before any payload is read.
 
-Everything here answers with a :class:`~peerd.experts.batching.CallResult` naming the problem (None: the call may
+Everything here answers with a :class:`~peerd.experts.calls.CallResult` naming the problem (None: the call may
 be served); nothing reads from the stream, so the server decides what to do with payloads still on the way."""
 
 from __future__ import annotations
 
-from peerd.experts.backend import ExpertBackend
-from peerd.experts.batching import CallResult
+from peerd.experts.calls import MAX_HIDDEN_DIM, PHASES, CallResult, max_payload_bytes
 from peerd.experts.records import PROTOCOL_VERSION
+from peerd.experts.server.backend import ExpertBackend
 from peerd.proto import peerd_experts_pb2 as pb
-from peerd.wire.codec import HEADER
 
-MAX_HIDDEN_DIM = 65536
-# phase -> (its name, how many tensors a call of it carries)
-PHASES = {pb.EXPERT_FORWARD: ("forward", 1), pb.EXPERT_BACKWARD: ("backward", 2)}
-
-
-def max_payload_bytes(num_tokens: int, hidden_dim: int) -> int:
-    """Largest valid codec payload of a [num_tokens, hidden_dim] tensor (raw float32)."""
-    return HEADER.size + 8 * 2 + num_tokens * hidden_dim * 4
+__all__ = ["check_header", "oversized_payload"]
 
 
 def check_header(

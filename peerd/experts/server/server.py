@@ -2,7 +2,7 @@
 
 It registers one stream handler on hivemind's P2P, validates each call's header on the event loop (version,
 pass, uid, sizes: anything wrong is answered with an error code naming the problem, before any payload is
-read into memory), hands the payloads to the expert's :class:`~peerd.experts.batching.BatchQueue` and writes
+read into memory), hands the payloads to the expert's :class:`~peerd.experts.server.batching.BatchQueue` and writes
 the result back. Compute runs on ``experts.threads`` worker threads, so the daemon's control endpoint keeps
 answering. Experts are announced in the DHT (``peerd.experts.records``) every ``experts.announce_period``.
 """
@@ -18,15 +18,15 @@ from google.protobuf.message import DecodeError
 
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
-from peerd.experts.backend import ExpertBackend
-from peerd.experts.batching import BatchQueue, CallResult, PendingCall
-from peerd.experts.modules import build_expert
-from peerd.experts.records import PROTOCOL_VERSION, ExpertRecord, experts_key
-from peerd.experts.requests import PHASES, check_header, oversized_payload
-from peerd.experts.stash import ActivationStash
+from peerd.experts.calls import HANDLER_NAME, IDLE_SECONDS, PHASES, CallResult
+from peerd.experts.records import PROTOCOL_VERSION, ExpertHostRecord, experts_key
+from peerd.experts.server.backend import ExpertBackend
+from peerd.experts.server.batching import BatchQueue, PendingCall
+from peerd.experts.server.headers import check_header, oversized_payload
+from peerd.experts.server.modules import build_expert
+from peerd.experts.server.stash import ActivationStash
+from peerd.experts.server.workers import Workers
 from peerd.experts.stats import latency_histogram
-from peerd.experts.streams import IDLE_SECONDS
-from peerd.experts.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode, now
 from peerd.wire.frames import (
@@ -39,11 +39,10 @@ from peerd.wire.frames import (
 )
 from peerd.wire.guard import StreamGuard
 
-__all__ = ["HANDLER_NAME", "ExpertServer"]
+__all__ = ["ExpertServer"]
 
 logger = logging.getLogger(__name__)
 
-HANDLER_NAME = "peerd.v1.experts.call"
 DRAIN_TIMEOUT = 10.0  # seconds to read the payload of a refused call before answering
 STREAM_IDLE_TIMEOUT = 3 * IDLE_SECONDS
 
@@ -114,33 +113,27 @@ class ExpertServer:
 
     # --- announcing -----------------------------------------------------------------------------------------
 
-    def records(self) -> list[ExpertRecord]:
+    def record(self) -> ExpertHostRecord:
         current = max(now(), self.started_at)
-        maddrs = self.swarm.visible_maddrs()
-        return [
-            ExpertRecord(
-                uid=uid,
-                peer_id=self.swarm.peer_id,
-                maddrs=maddrs,
-                protocol_version=PROTOCOL_VERSION,
-                hidden_dim=self.config.hidden_dim,
-                module=self.config.module,
-                updates=backend.updates,
-                started_at=self.started_at,
-                updated_at=current,
-            )
-            for uid, backend in self.backends.items()
-        ]
+        return ExpertHostRecord(
+            peer_id=self.swarm.peer_id,
+            maddrs=self.swarm.visible_maddrs(),
+            protocol_version=PROTOCOL_VERSION,
+            hidden_dim=self.config.hidden_dim,
+            module=self.config.module,
+            uids=list(self.backends),
+            updates=[backend.updates for backend in self.backends.values()],
+            started_at=self.started_at,
+            updated_at=current,
+        )
 
     async def announce(self) -> None:
         started = time.monotonic()
         expiration = now() + self.config.record_ttl
-        stores = [self.swarm.store(self.key, r.uid, r.to_wire(), expiration) for r in self.records()]
-        for result in await asyncio.gather(*stores, return_exceptions=True):
-            if isinstance(result, PeerdError):
-                logger.warning("Could not announce an expert: %s", result)
-            elif isinstance(result, BaseException):
-                raise result
+        try:
+            await self.swarm.store(self.key, self.swarm.peer_id, self.record().to_wire(), expiration)
+        except PeerdError as e:
+            logger.warning("Could not announce the experts: %s", e)
         took = time.monotonic() - started
         if took > self.config.announce_period:
             logger.warning(
@@ -168,7 +161,7 @@ class ExpertServer:
         peer = str(getattr(info, "peer_id", "?"))
         try:
             while not self._stop.is_set():
-                # a caller's pool drops streams idle for streams.IDLE_SECONDS; one that holds it longer is not
+                # a caller's pool drops streams idle for calls.IDLE_SECONDS; one that holds it longer is not
                 # served (it would keep one of its stream slots for nothing)
                 header = await asyncio.wait_for(
                     read_frame_or_eof(reader, MAX_HEADER_BYTES, peer, "request header"), STREAM_IDLE_TIMEOUT)

@@ -2,8 +2,8 @@
 
 A backward call is answered as soon as its input gradients exist; the expert's optimizer step comes after, as
 background work, so it never delays another caller's forward or backward batch queued behind it. A step that
-waits too long is still bounded: :class:`~peerd.experts.backend.ExpertBackend` applies its own pending steps
-before computing more gradients once :data:`~peerd.experts.backend.MAX_PENDING_STEPS` have piled up.
+waits too long is still bounded: :class:`~peerd.experts.server.backend.ExpertBackend` applies its own pending steps
+before computing more gradients once :data:`~peerd.experts.server.backend.MAX_PENDING_STEPS` have piled up.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One served expert: its module, its optimizer, and the batched forward/backward computations.
 
 Everything here runs on the server's compute threads, never on the event loop. A backward batch goes
-through the forward graphs the host kept for its calls (:mod:`peerd.experts.stash`) or, where none is kept
+through the forward graphs the host kept for its calls (:mod:`peerd.experts.server.stash`) or, where none is kept
 or the parameters changed since, recomputes the forward pass on the inputs; it sums the parameter gradients
 of every call in the batch, answers the callers, and then applies one optimizer step (background work: see
-:mod:`peerd.experts.workers`). Non-finite outputs or gradients raise
+:mod:`peerd.experts.server.workers`). Non-finite outputs or gradients raise
 :class:`ExpertFailure` before any parameter changes, so a bad batch never corrupts the expert.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from peerd.config import ExpertsConfig
-from peerd.experts.stash import Graph
+from peerd.experts.server.stash import Graph
 from peerd.experts.stats import CallStats
 from peerd.wire.codec import all_finite
 
@@ -47,7 +47,8 @@ class ExpertFailure(Exception):
 def _optimizer(config: ExpertsConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
-    # The fused kernels are 2-4x faster than the per-tensor loop on CPU, and the step is on every backward call.
+    # The fused kernels update all parameters in a few passes instead of a loop of small ops per tensor, and the
+    # step runs after every backward call.
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
     return cls(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
 

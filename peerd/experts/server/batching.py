@@ -6,7 +6,7 @@ queued up meanwhile, up to ``experts.max_request_tokens`` tokens, so the busier 
 batches. Payloads are decoded and validated on the compute thread, each call on its own: one caller's
 malformed tensor fails only that call. Results go back to the event loop through futures.
 
-A forward call with a call id has its activations kept (:mod:`peerd.experts.stash`): its autograd graph when
+A forward call with a call id has its activations kept (:mod:`peerd.experts.server.stash`): its autograd graph when
 it was computed on its own, its inputs when it shared a batch with other callers' calls (one graph cannot be
 split between separate backward calls). A backward call by id takes them back and sends only gradients.
 """
@@ -22,35 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from peerd.config import CodecConfig
 from peerd.errors import CodecError
-from peerd.experts.backend import BackwardItem, ExpertBackend, ExpertFailure
-from peerd.experts.stash import ActivationStash
-from peerd.experts.workers import Job, Workers
+from peerd.experts.calls import CallResult, wire_codec
+from peerd.experts.server.backend import BackwardItem, ExpertBackend, ExpertFailure
+from peerd.experts.server.stash import ActivationStash
+from peerd.experts.server.workers import Job, Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 
-__all__ = ["BatchQueue", "CallResult", "PendingCall", "wire_codec"]
+__all__ = ["BatchQueue", "PendingCall"]
 
 logger = logging.getLogger(__name__)
-
-# fp16 for any tensor size (the codec falls back to raw where fp16 would overflow or lose small values).
-_FP16 = CodecConfig(min_compress_numel=2**62, error_feedback=False)
-_RAW = CodecConfig(lossless=True, error_feedback=False)
-
-
-def wire_codec(lossless: bool) -> CodecConfig:
-    return _RAW if lossless else _FP16
-
-
-@dataclass(frozen=True)
-class CallResult:
-    code: pb.ExpertCode
-    message: str = ""
-    payload: bytes | bytearray = b""
-    batch_tokens: int = 0
-    kept: bool = False  # a forward call's activations are kept for its backward call
-
 
 @dataclass
 class PendingCall:

@@ -6,7 +6,7 @@ per token or sample), all experts concurrently. The layer proceeds once ``k_min`
 token and ``grace`` seconds passed (or all answered, or ``timeout`` expired), and mixes the answers with the
 gate weights renormalized over the experts that answered. Backward: one call per expert that answered,
 carrying its tokens' output gradients (and the inputs too if the host did not keep the forward activations,
-see :mod:`peerd.experts.stash`); the host returns input gradients and updates the expert.
+see :mod:`peerd.experts.server.stash`); the host returns input gradients and updates the expert.
 
 Fallback: a token no expert answered for (or every expert dead) gets a **zero** output, so in a residual
 block it passes through unchanged; its router gets no gradient from it in that pass.
@@ -29,10 +29,10 @@ from torch import nn
 
 from peerd.config import MoEConfig
 from peerd.errors import ActivationsGone, PeerdError
-from peerd.experts.batching import wire_codec
-from peerd.experts.client import Answer, ExpertClient, LayerStats
-from peerd.experts.dispatch import gather_quorum
-from peerd.experts.router import Router, load_balancing_loss, renormalize, route
+from peerd.experts.calls import wire_codec
+from peerd.experts.client.client import Answer, ExpertClient, LayerStats
+from peerd.experts.client.dispatch import gather_quorum
+from peerd.experts.client.router import Router, load_balancing_loss, renormalize, route
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
 

@@ -1,7 +1,7 @@
 """The caller's side of remote experts: one batched call per expert and pass, over reused libp2p streams.
 
 :class:`ExpertClient` lives on the daemon's event loop. Model code runs on worker threads and reaches it
-through :meth:`ExpertClient.run`. Who may be called is :class:`~peerd.experts.directory.ExpertDirectory`'s
+through :meth:`ExpertClient.run`. Who may be called is :class:`~peerd.experts.client.directory.ExpertDirectory`'s
 business (DHT records, backoff); a call that fails or times out reports it there, so its expert backs off.
 """
 
@@ -17,12 +17,11 @@ from typing import Any, TypeVar
 import torch
 
 from peerd.errors import ActivationsGone, PeerUnreachable, ProtocolViolation, RPCTimeout
-from peerd.experts.directory import ExpertDirectory
+from peerd.experts.calls import HANDLER_NAME, LocalHost, max_payload_bytes
+from peerd.experts.client.directory import ExpertDirectory
+from peerd.experts.client.streams import StreamPool
 from peerd.experts.records import PROTOCOL_VERSION, SeenExpert, experts_key
-from peerd.experts.requests import max_payload_bytes
-from peerd.experts.server import HANDLER_NAME, ExpertServer
 from peerd.experts.stats import CallStats, latency_histogram
-from peerd.experts.streams import StreamPool
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.swarm.node import SwarmNode
 from peerd.wire import codec
@@ -70,11 +69,11 @@ class ExpertClient:
         self._loop = asyncio.get_running_loop()
         self._streams = StreamPool(guard, HANDLER_NAME)
         self.stats: dict[str, dict[str, CallStats]] = {}
-        self._local: ExpertServer | None = None
+        self._local: LocalHost | None = None
         self.latency = latency_histogram()  # of every call this peer made, for /metrics
         self.layers: dict[str, LayerStats] = {}
 
-    def attach_local(self, server: ExpertServer) -> None:
+    def attach_local(self, server: LocalHost) -> None:
         """This peer's own expert server: calls to its experts go to it directly (libp2p cannot dial itself)."""
         self._local = server
 

@@ -13,11 +13,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from peerd.experts.calls import IDLE_SECONDS
 from peerd.wire.guard import StreamGuard
 
-__all__ = ["IDLE_SECONDS", "PooledStream", "StreamPool"]
+__all__ = ["PooledStream", "StreamPool"]
 
-IDLE_SECONDS = 20.0  # idle streams older than this are closed rather than reused
 MAX_IDLE_PER_PEER = 16
 
 

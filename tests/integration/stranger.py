@@ -1,0 +1,129 @@
+"""A stranger to the swarm (no secret, no peerd: plain hivemind nodes), for tests and benchmarks only.
+
+    python -m tests.integration.stranger cpu MADDR KEY BYTES      one DHT store request of BYTES of records
+                                                                   signed with costly keys; prints what happened
+    python -m tests.integration.stranger slots MADDR IDS STREAMS PROTOCOL
+                                                                   IDS identities open STREAMS streams each to
+                                                                   PROTOCOL and hold them, silent
+    python -m tests.integration.stranger read MADDR KEY           prints the payloads stored under KEY, as stored
+
+MADDR ends in the target's /p2p/<peer id>. Each command prints one JSON line when its work is done; ``slots``
+then keeps its streams open (reopening any the target closes) until it is stopped with a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import secrets
+import sys
+import time
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from peerd.swarm.signing import peer_id_of
+
+
+def costly_key() -> bytes:
+    """A libp2p RSA public key with a 3,072-bit modulus and a 3,071-bit public exponent (OpenSSL verifies with
+    exponents up to the modulus' size at 3,072 bits and below)."""
+    modulus = rsa.generate_private_key(65537, 3072).private_numbers().public_numbers.n
+    exponent = secrets.randbits(3071) | 1 | 1 << 3070
+    der = rsa.RSAPublicNumbers(exponent, modulus).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bytes(crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString())
+
+
+def costly_records(nbytes: int) -> tuple[str, list[bytes], float]:
+    """Envelopes (msgpack, as hivemind stores them) of about ``nbytes`` in all, under one subkey, each with
+    another payload so that no verdict is cached: their signatures are garbage, which costs a verifier
+    the same full RSA verification as a valid one."""
+    public_key = costly_key()
+    subkey, expiration = peer_id_of(public_key), get_dht_time() + 5.0
+    values = []
+    size = 0
+    while size < nbytes:
+        payload = json.dumps({"peer_id": subkey, "n": len(values)}).encode()
+        value = MSGPackSerializer.dumps({"p": payload, "k": public_key, "s": secrets.token_bytes(383), "t": b"",
+                                         "e": expiration})
+        values.append(value)
+        size += len(value)
+    return subkey, values, expiration
+
+
+async def cpu(maddr: str, key: str, nbytes: int) -> dict[str, Any]:
+    target = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    node = await DHTNode.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=300,
+                                cache_locally=False, cache_on_store=False)
+    try:
+        subkey, values, expiration = costly_records(nbytes)
+        started = time.monotonic()
+        answer = await node.protocol.call_store(target, [DHTID.generate(source=key)] * len(values), values,
+                                                expiration, subkeys=[subkey] * len(values))
+        took = time.monotonic() - started
+        stored = None if answer is None else sum(map(bool, answer))
+        return {"records": len(values), "bytes": sum(map(len, values)), "took": took, "stored": stored}
+    finally:
+        await node.shutdown()
+
+
+async def slots(maddr: str, identities: int, streams: int, protocol: str) -> None:
+    target = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    nodes = [await P2P.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+             for _ in range(identities)]
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(node: P2P) -> None:
+        while True:  # the target closes a silent stream after its handshake deadline: open it again
+            try:
+                _, reader, writer = await node.call_binary_stream_handler(target, protocol)
+            except Exception:  # noqa: BLE001 (refused, reset: try again shortly)
+                await asyncio.sleep(0.05)
+                continue
+            held.append(writer)
+            await reader.read()  # the target's first answer (a refusal) or EOF: open another at once, and
+            held.remove(writer)  # leave this one to the target to close
+
+    tasks = [asyncio.ensure_future(hold(node)) for node in nodes for _ in range(streams)]
+    deadline = time.monotonic() + 60
+    while len(held) < identities * streams // 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # polling the count of open streams for the one ready line
+    print(json.dumps({"holding": len(held), "peer_ids": [str(n.peer_id) for n in nodes]}), flush=True)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for node in nodes:
+            await node.shutdown()
+
+
+async def read(maddr: str, key: str) -> dict[str, Any]:
+    node = await DHTNode.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], cache_locally=False)
+    try:
+        found = await node.get(key, latest=True)
+        entries = {} if found is None else found.value
+        payloads = {str(subkey): base64.b64encode(entry.value.get("p", b"")).decode()
+                    for subkey, entry in entries.items() if isinstance(entry.value, dict)}
+        return {"payloads": payloads}
+    finally:
+        await node.shutdown()
+
+
+if __name__ == "__main__":
+    command, maddr = sys.argv[1], sys.argv[2]
+    if command == "cpu":
+        print(json.dumps(asyncio.run(cpu(maddr, sys.argv[3], int(sys.argv[4])))), flush=True)
+    elif command == "slots":
+        asyncio.run(slots(maddr, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
+    elif command == "read":
+        print(json.dumps(asyncio.run(read(maddr, sys.argv[3]))), flush=True)
+    else:
+        raise SystemExit(f"unknown command {command!r}")

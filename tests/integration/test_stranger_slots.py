@@ -1,0 +1,108 @@
+"""A stranger's slot attack, with real processes: 4 identities without the secret open 16 streams each to a
+trainer's averaging handler and say nothing (tests/integration/stranger.py), re-opening every stream the
+trainer closes. The trainer's member slots are cut to 64 (swarm.streams.max_streams), so that the strangers'
+64 streams are exactly what took every slot when a stream's slot was taken before its handshake.
+
+peerd keeps unproven streams in a pool of their own (4 per peer): the two members average on as before.
+The same attack against ``tests/integration/undefended.py`` with one pool for both shows the damage: the
+member's streams to the victim are refused as busy and its rounds stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peerd.averaging.allreduce import HANDLER_NAME
+from peerd.launcher import LocalSwarm, PeerProcess, wait_for
+from peerd.wire.membership import generate_secret
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+SYNTHETIC = REPO / "configs" / "synthetic.yaml"
+ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+LIMITS = ["-o", "swarm.streams.max_streams=64", "-o", "swarm.streams.max_streams_per_peer=16"]
+IDENTITIES, STREAMS = 4, 16
+ROUNDS = 5
+
+
+def rounds(peer: PeerProcess) -> int:
+    return int(peer.status(timeout=30)["training"]["rounds_ok"])
+
+
+def time_rounds(peer: PeerProcess, count: int, timeout: float) -> float | None:
+    """Seconds until ``peer`` averaged ``count`` more rounds, or None if it did not within ``timeout``."""
+    start, started = rounds(peer), time.monotonic()
+    try:
+        wait_for(lambda: rounds(peer) >= start + count, timeout, f"{count} rounds", 0.5)
+    except TimeoutError:
+        return None
+    return time.monotonic() - started
+
+
+def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str, int]]:
+    """Two members train; once they averaged, the strangers attack the second. Returns the seconds the second
+    member took for ROUNDS rounds before the attack and under it (None: not within 3x as long plus 30 s), and
+    what it refused meanwhile."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    secret = log_dir / "swarm.secret"
+    generate_secret(secret)
+    args = ["--swarm-secret", str(secret), *LIMITS]
+    with LocalSwarm(SYNTHETIC, log_dir=log_dir, extra_args=args) as swarm:
+        swarm.add_peer(timeout=90)
+        victim_args = ["--config", str(SYNTHETIC), "--control-port", "0", *args,
+                       "--initial-peers", swarm.peers[0].ready["maddrs"][0]]
+        if undefended:
+            victim_args += ["--undefended", "stream-pools"]
+        victim = PeerProcess("victim", victim_args, log_dir, env=ENV,
+                             module="tests.integration.undefended" if undefended else "peerd")
+        swarm.peers.append(victim)
+        victim.wait_ready(90)
+        wait_for(lambda: rounds(victim) >= 3, 120, "the members to average 3 rounds", 0.5)
+        baseline = time_rounds(victim, ROUNDS, 120)
+        assert baseline is not None
+        stranger = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.stranger", "slots", victim.ready["maddrs"][0], str(IDENTITIES),
+             str(STREAMS), HANDLER_NAME], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+            env={**os.environ, **ENV})
+        try:
+            assert stranger.stdout is not None
+            ready = json.loads(stranger.stdout.readline())
+            # the strangers' streams reach the victim's handler after they opened on their side: time the
+            # rounds once they hold the pool they aim at (member slots without the defence, else the unproven)
+            pool, full = ("streams_open", 64) if undefended else ("unproven_streams_open", IDENTITIES * 4)
+            wait_for(lambda: victim.status(timeout=30)["membership"][pool] >= full, 60,
+                     f"the strangers to hold {full} of the victim's {pool}", 0.2)
+            refused_before = dict(victim.status(timeout=30)["membership"]["streams_refused"])
+            attacked = time_rounds(victim, ROUNDS, 3 * baseline + 30)
+
+            def refusals() -> dict[str, int] | None:
+                refused = victim.status(timeout=30)["membership"]["streams_refused"]
+                delta = {k: v - refused_before.get(k, 0) for k, v in refused.items() if v != refused_before.get(k, 0)}
+                # the strangers' silent streams end at their handshake deadline
+                return delta if delta.get("malformed") else None
+
+            delta = wait_for(refusals, 60, "the strangers' streams to be refused", 0.5)
+        finally:
+            stranger.terminate()
+            stranger.wait(30)
+            assert stranger.stdout is not None
+            stranger.stdout.close()
+        print(f"undefended={undefended}: strangers held {ready['holding']} streams; {ROUNDS} rounds of the member "
+              f"took {baseline:.1f} s before, {attacked} s under attack; refused meanwhile {delta}")
+        return baseline, attacked, delta
+
+
+def test_strangers_cannot_take_members_stream_slots(tmp_path: Path) -> None:
+    _, attacked, refused = run(tmp_path / "defended", undefended=False)
+    assert attacked is not None, "the member stopped averaging under the strangers' attack"
+    _, attacked, refused = run(tmp_path / "undefended", undefended=True)
+    assert attacked is None, f"one pool for all: the member still averaged {ROUNDS} rounds in {attacked} s"
+    assert refused.get("busy", 0) > 0  # the member's own streams, refused for the strangers' sake
