@@ -1,0 +1,189 @@
+"""Verified reductions under the robust rules' degenerate cases (peerd/averaging/verify/ with
+peerd/averaging/aggregation.py): identical rows count once, fewer than 3 distinct rows are norm-equalized. An
+honest reducer applying either passes every member's checks and is never convicted; a reducer that misstates a
+pair's norms, calls a distinct row a copy or hides copies fails the checks or the dispute, and the proof
+convicts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerd.averaging.aggregation import around, clip_coefficients, equalized_coefficients, medoid_of
+from peerd.averaging.verify.checks import Inconsistent, check_chunk
+from peerd.averaging.verify.disputes import Judgment, judge_chunk
+from peerd.averaging.verify.keys import KeyBook
+from peerd.averaging.verify.payloads import view
+from peerd.averaging.verify.proofs import bad_reduction, check_proof, false_samples, read_statement
+from peerd.averaging.verify.samples import MemberSamples
+from peerd.averaging.verify.statement import parse_statement, sign_statement
+from peerd.errors import ProtocolViolation
+from peerd.proto import peerd_averaging_pb2 as pb
+from peerd.wire import codec
+from tests.unit.verified_chunks import Span
+
+pytestmark = pytest.mark.timeout(60)
+
+NUMEL = 20_000
+ROBUST = ["centered_clip", "trimmed_mean"]
+
+
+def rows_of(n: int, seed: int = 0, scales: list[float] | None = None) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(NUMEL, generator=generator) + 0.5 * torch.randn(n, NUMEL, generator=generator)
+    return rows * torch.tensor(scales or [1.0] * n)[:, None]
+
+
+def check(span: Span, samples: dict[int, MemberSamples] | None = None) -> None:
+    check_chunk(span.statement(), 0, samples or span.all_samples(), span.out, view(span.out_payload),
+                span.randomness, span.config)
+
+
+def judge(span: Span, samples: dict[int, MemberSamples] | None = None) -> Judgment:
+    return judge_chunk(span.statement(), 0, span.group, dict(enumerate(span.payloads)), span.out_payload,
+                       span.all_samples() if samples is None else samples, span.config, KeyBook())
+
+
+def publish(span: Span, coefficients: list[float]) -> None:
+    """The reducer codes and signs the average these coefficients give the sealed rows, as it states them."""
+    span.coefficients = coefficients
+    exact = (torch.tensor(coefficients, dtype=torch.float64) @ span.decoded.double()).float()
+    span.out_payload = bytes(codec.encode(exact, span.config.codec))
+    span.out = codec.decode(span.out_payload, peer_id="test")
+    span.out_signature = span.sign_output(span.out_payload)
+
+
+def proven(span: Span) -> str | None:
+    """What a member that was not in the round finds in the proof a challenger sends."""
+    evidence = bad_reduction(span.statement(), 0, span.out_payload, span.out_signature, dict(enumerate(span.payloads)))
+    statement, group = read_statement(evidence.proof.statement, KeyBook())
+    return check_proof(evidence.proof, statement, group, evidence.frames, span.config, KeyBook())
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+def test_an_honest_pair_is_equalized_passes_and_is_not_convicted(rule: str) -> None:
+    for seed in range(5):
+        span = Span(rows_of(2, seed, [1.0, 30.0]), rule, weights=[1.0, 3.0], seed=bytes([seed]) * 32)
+        assert span.norms is not None and span.same_as is None
+        coefficients = torch.tensor(span.coefficients or [])
+        # the larger row is scaled down to the smaller one's norm: neither side outweighs the other
+        assert float(coefficients[1] * span.decoded[1].norm()) == pytest.approx(
+            float(coefficients[0] * span.decoded[0].norm()), rel=1e-4)
+        check(span)
+        assert judge(span) == Judgment()
+        assert proven(span) is None
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+@pytest.mark.parametrize("copies", [[0, 1, 1, 3, 4], [0, 1, 0, 1, 1]])
+def test_honest_copies_count_once_pass_and_are_not_convicted(rule: str, copies: list[int]) -> None:
+    """Copies of one row among 3 distinct rows (the rule runs on 3), and among 2 (the pair is equalized)."""
+    rows = rows_of(5, scales=[1.0, 1.0, 1.0, 1.0, 5.0])
+    rows = rows[copies]
+    span = Span(rows, rule)
+    assert span.same_as == copies
+    assert all(c == 0.0 for i, c in enumerate(span.coefficients or [0.0] * 5) if copies[i] != i)
+    check(span)
+    assert judge(span) == Judgment()
+    assert proven(span) is None
+
+
+def test_zero_rows_are_copies_of_each_other_and_pass() -> None:
+    """Parts of a model no batch touched: every member's gradient is 0 there."""
+    span = Span(torch.zeros(3, NUMEL), "centered_clip")
+    assert span.same_as == [0, 0, 0] and float(span.out.abs().max()) == 0.0
+    check(span)
+    assert judge(span) == Judgment()
+
+
+def test_a_reducer_understating_its_own_norm_in_a_pair_fails_and_is_convicted() -> None:
+    """The reducer (member 0) sends -1000x its partner's row and publishes its norm as its partner's: the
+    coefficients follow from those norms, the average from the coefficients; the sketches show the lie."""
+    rows = rows_of(2)
+    rows[0] = -1000 * rows[1]
+    span = Span(rows, "centered_clip")
+    honest = span.out.clone()
+    span.norms = torch.full((2,), float(span.decoded[1].double().norm() ** 2), dtype=torch.float64)
+    publish(span, equalized_coefficients(span.norms, [1.0, 1.0]).tolist())
+    assert float(span.out.norm()) > 100 * float(honest.norm())  # what the lie would do
+    with pytest.raises(Inconsistent, match="sketched norms"):
+        check(span)
+    verdict = judge(span)
+    assert verdict.reducer is not None and "norms are not its rows'" in verdict.reducer and verdict.members == {}
+    assert proven(span) is not None
+
+
+def test_a_pair_norm_misstated_within_the_sketches_bounds_is_convicted_by_the_dispute() -> None:
+    """A lie small enough to pass the sketches (2x on the norm): an audit's dispute settles it exactly."""
+    rows = rows_of(2, scales=[3.0, 1.0])
+    span = Span(rows, "trimmed_mean")
+    assert span.norms is not None
+    span.norms = span.norms * torch.tensor([0.25, 1.0], dtype=torch.float64)
+    publish(span, equalized_coefficients(span.norms, [1.0, 1.0]).tolist())
+    check(span)
+    verdict = judge(span)
+    assert verdict.reducer is not None and "norms" in verdict.reducer
+    assert proven(span) is not None
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+def test_a_reducer_calling_a_distinct_row_a_copy_fails_and_is_convicted(rule: str) -> None:
+    """The reducer drops member 3's row by calling it a copy of member 1's, with every other number and the
+    average as the rule gives them for the rows it kept."""
+    rows = rows_of(4)
+    span = Span(rows, rule)
+    liar = Span(rows[[0, 1, 2, 1]], rule)  # the world the statement describes: rows 0-2 are the real ones
+    span.same_as, span.gram, span.medoid, span.norms = liar.same_as, liar.gram, liar.medoid, liar.norms
+    span.coefficients, span.out, span.out_payload = liar.coefficients, liar.out, liar.out_payload
+    span.out_signature = span.sign_output(span.out_payload)
+    with pytest.raises(Inconsistent, match="row 3 as a copy of row 1, and the rows differ"):
+        check(span)
+    verdict = judge(span)
+    assert verdict.reducer is not None and "copies" in verdict.reducer and verdict.members == {}
+    assert proven(span) is not None
+
+
+def test_a_reducer_hiding_copies_passes_the_checks_and_is_convicted_by_the_dispute() -> None:
+    """Two of four rows identical (-1000x), counted as two members: the copies' row pulls twice. The samples and sketches of copies look like those of near-copies, which must not stop
+    honest spans, so the checks pass; an audit's dispute compares the rows and convicts."""
+    rows = rows_of(3)
+    rows = torch.cat([rows, -1000 * rows[:1]])[[0, 1, 3, 3]]
+    span = Span(rows, "centered_clip")
+    assert span.same_as == [0, 1, 2, 2]
+    honest = span.out.clone()
+    first = span.decoded - span.decoded[0]
+    gram = (first @ first.t()).double()
+    medoid = medoid_of(gram)
+    centered = around(gram, medoid)
+    coefficients, _ = clip_coefficients(centered, [1.0] * 4, medoid, span.config.clip_radius,
+                                        span.config.clip_iterations)
+    span.same_as, span.gram, span.medoid, span.norms = None, centered, medoid, None
+    publish(span, coefficients.tolist())
+    assert float((span.out - honest).norm()) > 0.5 * float(honest.norm()), (span.out.norm(), honest.norm())
+    check(span)
+    verdict = judge(span)
+    assert verdict.reducer is not None and "copies" in verdict.reducer
+    assert proven(span) is not None
+
+
+def test_a_copy_misstating_its_samples_to_frame_the_reducer_is_convicted_instead() -> None:
+    span = Span(rows_of(4)[[0, 1, 2, 2]], "centered_clip")
+    samples = span.all_samples()
+    samples[3] = span.samples(3, row=span.decoded[3] * 1.01)
+    with pytest.raises(Inconsistent, match="copy"):
+        check(span, samples)
+    verdict = judge(span, samples)
+    assert verdict.reducer is None and set(verdict.members) == {span.group.members[3]}
+    evidence = false_samples(span.statement(), 0, samples[3], 3, span.payloads[3])
+    statement, group = read_statement(evidence.proof.statement, KeyBook())
+    assert check_proof(evidence.proof, statement, group, evidence.frames, span.config, KeyBook()) is not None
+
+
+def test_a_statement_whose_copies_do_not_fit_its_rows_is_refused() -> None:
+    span = Span(rows_of(3), "centered_clip")
+    for same_as in ([0, 2, 2], [0, 0], [1, 1, 2]):
+        message = pb.SpanStatement.FromString(span.statement().signed.body)
+        message.chunks[0].same_as[:] = same_as
+        with pytest.raises(ProtocolViolation, match="copies that do not fit"):
+            parse_statement(sign_statement(span.signing[0], message), span.group, 0, NUMEL,
+                            span.config.chunk_numel, KeyBook())
