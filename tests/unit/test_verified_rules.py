@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from peerd.averaging.aggregation import around, clip_coefficients, equalized_coefficients, medoid_of
-from peerd.averaging.verify.checks import Inconsistent, check_chunk
+from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
 from peerd.averaging.verify.disputes import Judgment, judge_chunk
 from peerd.averaging.verify.keys import KeyBook
 from peerd.averaging.verify.payloads import view
 from peerd.averaging.verify.proofs import bad_reduction, check_proof, false_samples, read_statement
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import parse_statement, sign_statement
+from peerd.config import CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
@@ -84,6 +85,7 @@ def test_honest_copies_count_once_pass_and_are_not_convicted(rule: str, copies: 
     assert span.same_as == copies
     assert all(c == 0.0 for i, c in enumerate(span.coefficients or [0.0] * 5) if copies[i] != i)
     check(span)
+    assert not look_alike(span.statement(), 0, span.all_samples())
     assert judge(span) == Judgment()
     assert proven(span) is None
 
@@ -161,9 +163,26 @@ def test_a_reducer_hiding_copies_passes_the_checks_and_is_convicted_by_the_dispu
     publish(span, coefficients.tolist())
     assert float((span.out - honest).norm()) > 0.5 * float(honest.norm()), (span.out.norm(), honest.norm())
     check(span)
+    assert look_alike(span.statement(), 0, span.all_samples())  # so the member audits the chunk
     verdict = judge(span)
     assert verdict.reducer is not None and "copies" in verdict.reducer
     assert proven(span) is not None
+
+
+def test_near_copies_are_audited_and_their_honest_reducer_is_not_convicted() -> None:
+    """Two rows equal but for one element no sample hits: they look alike to the checks, the span passes, and
+    the audit's dispute finds the reducer right to count them apart."""
+    lossless = CodecConfig(lossless=True, error_feedback=False)  # (8 bits would round the difference away)
+    rows = rows_of(4)
+    rows[3] = rows[2]
+    span = Span(rows, "centered_clip", codec=lossless)
+    hit = set(span.randomness.offsets(0, 0, NUMEL).tolist())
+    rows[3, next(i for i in range(NUMEL) if i not in hit)] += 0.01
+    span = Span(rows, "centered_clip", codec=lossless)
+    assert span.same_as is None
+    check(span)
+    assert look_alike(span.statement(), 0, span.all_samples())
+    assert judge(span) == Judgment()
 
 
 def test_a_copy_misstating_its_samples_to_frame_the_reducer_is_convicted_instead() -> None:

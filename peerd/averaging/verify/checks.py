@@ -16,7 +16,8 @@ Per chunk that is not void:
    rows' envelopes (the largest one for trimmed_mean).
 
 A check that fails means the reducer's average is not its rule applied to the sealed rows, or a member misstated
-its own row: only the rows can tell (disputes.py); this member applies nothing from the span either way.
+its own row: only the rows can tell (disputes.py); this member applies nothing from the span either way. Two
+rows counted as distinct that look alike (:func:`look_alike`) fail nothing, but the chunk is challenged.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import Chunk, Statement
 from peerd.config import AveragingConfig
 
-__all__ = ["SKETCH_TOLERANCE", "Inconsistent", "check_chunk", "check_medoid", "coefficients_of", "trimmed_at"]
+__all__ = ["SKETCH_TOLERANCE", "Inconsistent", "check_chunk", "check_medoid", "coefficients_of", "look_alike",
+           "trimmed_at"]
 
 COEFFICIENT_TOLERANCE = 1e-6
 ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes summed
@@ -181,6 +183,27 @@ def _check_copies(chunk: Chunk, index: int, rule: str, values: torch.Tensor, ske
         if not torch.equal(values[i], values[first]) or float(
                 (sketches[i] - sketches[first]).abs().max()) > COPY_SKETCH * scale + 1e-30:
             raise Inconsistent(index, f"{rule} counts row {i} as a copy of row {first}, and the rows differ")
+
+
+def look_alike(statement: Statement, index: int, samples: dict[int, MemberSamples]) -> bool:
+    """Whether two rows a robust rule counted as distinct in chunk ``index`` hold the same values at every sample
+    and nearly the same sketch: copies the reducer left undeclared, or near-copies. Only the rows can tell, and
+    near-copies must not stop an honest span, so the span is applied and the chunk audited (its dispute
+    convicts a reducer whose rows are copies)."""
+    chunk = statement.chunks[index]
+    if statement.rule == "mean":
+        return False
+    seen: dict[bytes, torch.Tensor] = {}
+    for i in chunk.distinct:
+        row = samples[chunk.included[i]].spans[statement.span]
+        if row.sketch is None:
+            return False
+        sketch, key = row.sketch[index], row.values[index].numpy().tobytes()
+        if key in seen and float((sketch - seen[key]).abs().max()) <= COPY_SKETCH * float(
+                sketch.norm() + seen[key].norm()) + 1e-30:
+            return True
+        seen.setdefault(key, sketch)
+    return False
 
 
 def _check_gram(gram: torch.Tensor, index: int, stacked: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds
-from peerd.averaging.verify.checks import Inconsistent, check_chunk
+from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
 from peerd.averaging.verify.disputes import judge_chunk, output_signed
 from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.payloads import view
@@ -199,7 +199,8 @@ class RoundVerification:
         logger.debug("Round %s: span %d checked in %.1f ms", self.group.round_id, span,
                      1000 * (time.monotonic() - started))
         checked = [i for i, chunk in enumerate(statement.chunks) if not chunk.void]
-        if verdict.apply and checked and _AUDIT.random() < self.config.verification.audit_probability:
+        if verdict.apply and verdict.challenge is None and checked and \
+                _AUDIT.random() < self.config.verification.audit_probability:
             verdict.challenge = _AUDIT.choice(checked)  # drawn here, after the seed: nobody can foresee it
         return verdict
 
@@ -220,7 +221,8 @@ class RoundVerification:
         span = statement.span
         start, _ = self.spans[span]
         by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
-        void = []
+        void: list[int] = []
+        audit: int | None = None
         for index, chunk in enumerate(statement.chunks):
             if chunk.void:
                 void.append(index)
@@ -241,7 +243,9 @@ class RoundVerification:
                 check_chunk(statement, index, by_rank, out, view(output[0]), randomness, self.config)
             except Inconsistent as e:
                 return Verdict(False, str(e), e.chunk)
-        return Verdict(True, void=void)
+            if audit is None and look_alike(statement, index, by_rank):
+                audit = index
+        return Verdict(True, challenge=audit, void=void)
 
     # --- disputes -----------------------------------------------------------------------------------------------
 
