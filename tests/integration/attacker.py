@@ -4,12 +4,14 @@ averaging (rounds with their own codec settings) stays honest, so what is measur
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from peerd.averaging.allreduce import AllReducer
 from peerd.cli import main
+from tests.integration import undefended
 
 SCALE = -1000.0
 WEIGHT_FACTOR = 10.0
@@ -28,4 +30,6 @@ async def _attacking_all_reduce(
 AllReducer.all_reduce = _attacking_all_reduce  # type: ignore[method-assign]
 
 if __name__ == "__main__":
+    if "--undefended" in sys.argv:  # the same attack on a swarm without some defence (undefended.py)
+        sys.argv = undefended.switch_off(sys.argv)
     main()

@@ -4,12 +4,14 @@ identical rows from each), 1000 in every coordinate. Parameter averaging stays h
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from peerd.averaging.allreduce import AllReducer
 from peerd.cli import main
+from tests.integration import undefended
 
 VALUE = 1000.0
 
@@ -27,4 +29,6 @@ async def _sybil_all_reduce(
 AllReducer.all_reduce = _sybil_all_reduce  # type: ignore[method-assign]
 
 if __name__ == "__main__":
+    if "--undefended" in sys.argv:  # the same attack on a swarm without some defence (undefended.py)
+        sys.argv = undefended.switch_off(sys.argv)
     main()

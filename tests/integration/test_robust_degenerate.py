@@ -10,7 +10,8 @@ test_robust_averaging.py: shards in order, the last member, honest, reduces the 
   model up; with each row scaled to the smaller norm it can cancel the honest step at worst: the loss stays
   finite, over 100x below the undefended run's.
 
-Each attack runs against peerd and against tests/integration/undefended.py with the defence switched off.
+Each attack runs against peerd and against a swarm with the defence switched off in every peer, attackers
+included (tests/integration/undefended.py): each peer checks its reducers' statements by the rule it applies.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def spawn(swarm: LocalSwarm, shard: int, role: str, undefended: str | None) -> P
     if swarm.peers:
         args += ["--initial-peers", swarm.peers[0].ready["maddrs"][0]]
     module = MODULES[role]
-    if role == "honest" and undefended is not None:
-        module, args = "tests.integration.undefended", [*args, "--undefended", undefended]
+    if undefended is not None:  # the whole swarm without the defence, attackers included: they check it too
+        module = "tests.integration.undefended" if role == "honest" else module
+        args = [*args, "--undefended", undefended]
     peer = PeerProcess(f"peer{shard}-{role}", args, swarm.log_dir, env=ENV, module=module)
     swarm.peers.append(peer)
     return peer

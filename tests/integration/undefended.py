@@ -12,12 +12,16 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 
 from peerd.averaging import aggregation, matchmaking
+from peerd.averaging.verify import checks, disputes
+from peerd.averaging.verify import round as verify_round
 from peerd.cli import main
 from peerd.experts.client import directory
 from peerd.swarm import sealing, signing
@@ -89,13 +93,25 @@ def _any_decision() -> None:
 
 
 def _copies_count() -> None:
-    """Count every row as a member of its own, identical or not."""
-    aggregation.distinct = lambda rows, gram: list(range(rows.shape[0]))
+    """Count every row as a member of its own, identical or not, reducing and checking a reducer's statement
+    (no copies to declare, none to look for)."""
+    aggregation.distinct = disputes.distinct = lambda rows, gram: list(range(rows.shape[0]))  # type: ignore[attr-defined]
+    verify_round.look_alike = lambda statement, index, samples: False  # type: ignore[attr-defined]
 
 
 def _capped_mean_of_pairs() -> None:
-    """Average a group of 2 with capped weights only, whatever each row's norm."""
-    aggregation.equalized_mean = lambda rows, weights, out, gram: aggregation.weighted_mean(rows, weights, out)
+    """Average a group of 2 with capped weights only, whatever each row's norm, reducing and checking a
+    reducer's statement (which still carries the norms, unused)."""
+
+    def capped_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor,
+                    gram: torch.Tensor) -> aggregation.Combined:
+        return replace(aggregation.weighted_mean(rows, weights, out), norms=gram.diagonal().clone())
+
+    def capped_coefficients(squared_norms: torch.Tensor, weights: list[float]) -> torch.Tensor:
+        return torch.tensor(weights, dtype=torch.float64) / sum(weights)
+
+    aggregation.equalized_mean = capped_mean
+    checks.equalized_coefficients = capped_coefficients  # type: ignore[attr-defined]
 
 
 def _one_pool() -> None:
