@@ -7,7 +7,7 @@ blake3 over every member's share, so it is fixed after every reducer committed t
 
 From the seed, per span and chunk: ``SAMPLES`` coordinates where every member reveals its row (a reducer's
 average is checked exactly there), and a sketch of ``SKETCH_SIZE`` random +-1 projections that preserves the
-distances between rows (the centered_clip check). The sketch direction of projection ``i`` at element
+distances and norms of rows (the robust rules' checks). The sketch direction of projection ``i`` at element
 ``(b, p)`` of the chunk seen as rows of ``SKETCH_WIDTH`` is ``e[b, i] * s[p, i]``: ``e`` fresh per chunk, ``s``
 per round, so a chunk costs one (k x rows) by (rows x width) product and a few KB of randomness instead of a
 k x chunk matrix. Each direction is +-1 everywhere, so a projection's square has the row's squared norm as its

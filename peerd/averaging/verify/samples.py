@@ -1,7 +1,7 @@
 """A member's samples: what it reveals of its own rows once the round's seed is known.
 
 For every span it has a row in (the span it reduces included), per chunk: its decoded row at the sampled
-coordinates, its envelope, and (centered_clip) its sketch. It signs them, so a member that misstates its own row
+coordinates, its envelope, and (robust rules) its sketch. It signs them, so a member that misstates its own row
 to make an honest reducer's average look wrong is caught when that reducer reveals the sealed row
 (disputes.py).
 """
