@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.integration.state_attacker import LEAD
 
 pytestmark = pytest.mark.integration

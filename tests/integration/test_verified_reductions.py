@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.integration
 
