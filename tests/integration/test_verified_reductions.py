@@ -2,7 +2,7 @@
 (tests/integration/lying_reducer.py, a patched `peerd start`), to every member or to one of them only. The two
 honest members catch it in its first round, apply none of its averages and exclude it on evidence each checks
 itself; their validation loss ends within 10% of an attack-free run's. With the checks patched out
-(tests/integration/unverified.py) the same attack wrecks the model. A member that misstates its own rows to
+(tests/integration/unverified.py) the same attack wrecks the model (diloco mode). A member that misstates its own rows to
 frame honest reducers (tests/integration/framer.py) is excluded itself, and no honest member is.
 
 The LM of configs/lm.yaml, small (as tests/integration/test_diloco.py runs it), in sync mode and in diloco mode.
@@ -53,12 +53,13 @@ def validation_loss(report: dict[str, Any]) -> float:
     return math.inf if loss is None or not math.isfinite(loss) else float(loss)
 
 
-def train(log_dir: Path, mode: str, modules: list[str], env: dict[str, str] | None = None) -> Run:
+def train(log_dir: Path, mode: str, modules: list[str], env: dict[str, str] | None = None,
+          options: tuple[str, ...] = ()) -> Run:
     """Three peers running ``modules`` (the first two honest or blind, the third the one under test) to step
     STEPS, or until the honest peers' validation loss shows the model wrecked."""
     log_dir.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    with LocalSwarm(LM, log_dir=log_dir, extra_args=[*COMMON, *MODES[mode]]) as swarm:
+    with LocalSwarm(LM, log_dir=log_dir, extra_args=[*COMMON, *MODES[mode], *options]) as swarm:
         for i, module in enumerate(modules):
             args = ["--config", str(LM), "--control-port", "0", *swarm.extra_args,
                     "-o", f"training.task.shard_index={i}"]
@@ -117,8 +118,16 @@ def test_a_lying_reducer_is_caught_and_excluded_and_changes_nothing(
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["diloco"], indirect=True)
 def test_without_the_checks_the_same_reducer_wrecks_the_model(mode: str, reference: float, tmp_path: Path) -> None:
-    run = train(tmp_path, mode, [BLIND, BLIND, LIAR], env={"LYING_REDUCER": "everyone"})
+    """In diloco mode, whose outer step applies the pseudo-gradient as averaged (in sync mode AdamW's steps are
+    bounded by the learning rate whatever the gradient's scale, so 10 steps of a flipped gradient on a third of
+    the parameters leave this small LM's loss too close to the 10% band to tell damage from noise), and without
+    state averaging: the liar keeps the true averages, so its parameters stay honest, while the two blind
+    members, which applied the same lies, hold identical parameters that robust rules count as one member;
+    state averaging would give the liar's parameters half the say and undo part of what its lies did."""
+    run = train(tmp_path, mode, [BLIND, BLIND, LIAR], env={"LYING_REDUCER": "everyone"},
+                options=("-o", f"training.state_averaging_every={10 * STEPS}"))
     losses = run.losses()
     print(f"{mode}, lying reducer, checks off: validation loss {losses}, attack-free {reference:.4f}")
     assert all(loss > 1.3 * reference for loss in losses), (losses, reference)  # far outside the 10% band
