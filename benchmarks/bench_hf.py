@@ -96,7 +96,7 @@ def peer_args(batches_per_step: int, steps: int, mode: str) -> list[str]:
             "-o", "training.optimizer=adamw"]
     if mode == "diloco":
         return [*args, "-o", "training.mode=diloco", "-o", f"training.diloco.inner_steps={batches_per_step}"]
-    return [*args, "-o", f"training.target_batch_size={8 * batches_per_step}"]
+    return [*args, "-o", "training.mode=sync", "-o", f"training.target_batch_size={8 * batches_per_step}"]
 
 
 def tokens_per_second(peer: PeerProcess, seq_len: int) -> float:
