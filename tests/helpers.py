@@ -43,9 +43,10 @@ def ready_peer(name: str, args: Sequence[str], log_dir: Path, timeout: float = 6
         peer.kill()
 
 
-def training(peer: PeerProcess) -> dict[str, Any]:
-    """The ``training`` section of the peer's status (None on a peer that does not train)."""
-    section: dict[str, Any] = peer.status()["training"]
+def training(peer: PeerProcess, timeout: float = 30.0) -> dict[str, Any]:
+    """The ``training`` section of the peer's status (None on a peer that does not train); a loaded machine
+    may take seconds to answer."""
+    section: dict[str, Any] = peer.status(timeout=timeout)["training"]
     return section
 
 

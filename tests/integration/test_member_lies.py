@@ -28,7 +28,7 @@ import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.wire.membership import generate_secret
-from tests.helpers import LOCAL_CONFIG, MOE_CONFIG, REPO, calls_to, host_args
+from tests.helpers import LOCAL_CONFIG, MOE_CONFIG, REPO, calls_to, host_args, training
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,6 @@ def private(config: Path, log_dir: Path, *extra: str) -> LocalSwarm:
     secret = log_dir / "swarm.secret"
     generate_secret(secret)
     return LocalSwarm(config, log_dir=log_dir, extra_args=["--swarm-secret", str(secret), *extra])
-
-
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return dict(peer.status(timeout=30)["training"])
 
 
 # --- matchmaking ------------------------------------------------------------------------------------------------
