@@ -68,6 +68,7 @@ class AllReducer:
         codec_config: CodecConfig | None = None,
         average_residual: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        agreeing: bool = False,
     ) -> tuple[torch.Tensor, RoundReport]:
         """Returns the weighted group average of ``flat`` and a report; never raises for peers' faults.
 
@@ -77,7 +78,8 @@ class AllReducer:
         averages this peer codes as a reducer, the second quantization every element goes through.
         ``out`` (same shape, not overlapping ``flat``) receives the average and is returned; a caller that
         averages every step passes the same buffer each time, since a fresh model-sized tensor costs a page
-        fault per 4 KiB on every round.
+        fault per 4 KiB on every round. ``agreeing``: honest members send identical rows (one state's
+        parameters), so a robust rule counts identical rows as members, not as one sybil's copies.
         Raises GroupFailed only if this peer is not a member.
         """
         codec_config = codec_config or self.config.codec
@@ -106,7 +108,7 @@ class AllReducer:
         reducer = SpanReducer(
             group, rank, flat[start:end], weight, self.config, codec_config, self.peer_id, result[start:end],
             average_residual[start:end] if average_residual is not None else None,
-            residual[start:end] if residual is not None else None,
+            residual[start:end] if residual is not None else None, agreeing,
         )
         async with self._round_registered:
             self._reducers[group.round_id] = reducer

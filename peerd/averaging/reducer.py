@@ -46,11 +46,12 @@ class SpanReducer:
         out: torch.Tensor,
         residual: torch.Tensor | None = None,
         own_residual: torch.Tensor | None = None,
+        agreeing: bool = False,
     ) -> None:
         """``out`` receives the coded average of the span (the caller's slice of its result); ``residual``, if
         given, carries what coding the average dropped into this peer's next average of the same elements;
         ``own_residual``, if given, is added to ``own`` and zeroed chunk by chunk (it enters the average
-        exactly)."""
+        exactly). ``agreeing``: the members' rows are meant to be identical (aggregation.combine)."""
         self.residual, self.own_residual = residual, own_residual
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
         self.peer_id, self.out, self.own, self.own_weight = peer_id, out, own, weight
@@ -78,7 +79,7 @@ class SpanReducer:
         self.rule = rule_label(config, len(group.members))
         self.robust: RobustChunks | None = None
         if config.aggregation != "mean":
-            self.robust = RobustChunks(group, rank, min(self.numel, config.chunk_numel), config)
+            self.robust = RobustChunks(group, rank, min(self.numel, config.chunk_numel), config, agreeing)
             self.robust.claims[peer_id] = weight
         for index in range(len(self.chunks)):
             self._maybe_finalize(index)

@@ -72,7 +72,9 @@ class RoundRunner:
         """The plain mean of ``flat`` over ``group``, sent without loss (state averaging: parameters and
         optimizer slots, where 8-bit noise would land in the weights); None (logged) if the round failed."""
         try:
-            averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
+            # the members' parameters are bit-identical unless someone lies: an honest majority's row must win
+            averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless,
+                                                                  agreeing=True)
         except PeerdError as e:
             logger.info("State averaging in round %s failed: %s", group.round_id, e)
             return None

@@ -77,10 +77,14 @@ def silent_leader(log_dir: Path, lie: str, undefended: str | None) -> list[dict[
         honest = peers[:2]
         reports = wait_for(lambda: [training(p) for p in honest] if all(training(p)["step"] >= STEPS for p in honest)
                            else None, 300, f"the honest trainers to take {STEPS} steps", 1.0)
+        liar = peers[2].peer_id
         for report, peer in zip(reports, honest, strict=True):
             report["refused"] = {k: v for k, v in peer.status(timeout=30)["records_dropped"].items() if v}
+            # rounds this trainer spent in a group with the liar, waiting for a contribution that never came
+            report["with_liar"] = sum(liar in r["excluded"] for r in peer.history(timeout=30)["rounds"])
         print(f"{lie} undefended={undefended}: rounds averaged {[r['rounds_ok'] for r in reports]}, solo "
-              f"{[r['rounds_solo'] for r in reports]}, refused {[r['refused'] for r in reports]}")
+              f"{[r['rounds_solo'] for r in reports]}, with the liar {[r['with_liar'] for r in reports]}, refused "
+              f"{[r['refused'] for r in reports]}")
         return reports
 
 
@@ -99,12 +103,12 @@ def test_a_leader_that_never_decides_stalls_no_round_for_long(lie: str, tmp_path
 def test_a_leader_cannot_pair_every_peer_with_itself(tmp_path: Path) -> None:
     """The liar leads (5 s early) and decides each honest trainer into a group of two with itself. Refused (it
     names itself twice), it is skipped and the honest trainers average together; taken, each honest trainer
-    waits for a partner that never comes, every round."""
+    waits for a partner that never comes (a round timeout, then its own span alone), round after round."""
     defended = silent_leader(tmp_path / "defended", "pairs", undefended=None)
     assert all(r["rounds_ok"] >= STEPS - 2 for r in defended), defended
     assert all(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
     undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks")
-    assert all(r["rounds_ok"] <= STEPS // 2 for r in undefended), undefended
+    assert all(r["with_liar"] >= STEPS // 2 for r in undefended), undefended
 
 
 # --- subkeys ------------------------------------------------------------------------------------------------------

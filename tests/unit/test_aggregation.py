@@ -146,3 +146,16 @@ def test_the_reducer_clips_the_attacker_and_says_so_whatever_the_arrival_order()
         assert reducer.weights[0] == 32.0 * 4
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("rule", ["centered_clip", "trimmed_mean"])
+def test_agreeing_members_outvote_one_liar_in_state_averaging(rule: str) -> None:
+    """Three honest members hold one state bit for bit and a fourth sends its negation: as copies they would
+    count once, a pair with the liar that cancels to zero; as members that agree, their state is the result."""
+    state = honest_rows(1, 4096, 0.5, seed=11)[0]
+    rows = torch.stack([state, state, state, -state])
+    agreed, collapsed = torch.empty(4096), torch.empty(4096)
+    combine(rule, rows.clone(), [1.0] * 4, agreed, 1.0, AveragingConfig().clip_radius, 3, agreeing=True)
+    assert torch.equal(agreed, state), rule
+    combine(rule, rows.clone(), [1.0] * 4, collapsed, 1.0, AveragingConfig().clip_radius, 3)
+    assert torch.linalg.vector_norm(collapsed) < 0.01 * torch.linalg.vector_norm(state), rule
