@@ -44,7 +44,7 @@ def _far_expirations() -> None:
 
 
 HAUNT_AHEAD = 3  # gradient rounds ahead of the furthest trainer it registers for
-HAUNT_REFRESH = 1.0  # seconds between its registrations for one round, until the round is decided
+HAUNT_REFRESH = 1.0  # pairs: seconds between its registrations for one round, until it decides
 HAUNT_LIFETIME = 40.0  # within what readers allow for a round key's entries (configs/synthetic.yaml: 43 + 3 s)
 
 
@@ -86,9 +86,10 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
             fingerprint, step = max(steps, key=lambda s: s[1])
             for ahead in range(HAUNT_AHEAD):
                 key = f"{progress_key.removesuffix('.progress')}.{fingerprint}.grad.{step + ahead}"
-                # registered again every HAUNT_REFRESH seconds until the round is decided: a time set when the
-                # round was steps ahead would be too early for its registrants to believe once they get there
-                if key in decided or node.now() - refreshed.get(key, -HAUNT_REFRESH) < HAUNT_REFRESH:
+                # pairs: registered again every HAUNT_REFRESH seconds until it decides, since a time set when the
+                # round was steps ahead may be too early for its registrants to believe once they get there
+                if key in refreshed and (not pairs or key in decided
+                                         or node.now() - refreshed[key] < HAUNT_REFRESH):
                     continue
                 first = key not in refreshed
                 refreshed[key] = node.now()

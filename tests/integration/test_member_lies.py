@@ -108,7 +108,8 @@ def test_a_leader_cannot_pair_every_peer_with_itself(tmp_path: Path) -> None:
     assert all(r["rounds_ok"] >= STEPS - 2 for r in defended), defended
     assert all(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
     undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks")
-    assert all(r["with_liar"] >= STEPS // 2 for r in undefended), undefended
+    # each such round costs a round timeout and leaves the honest trainers unaveraged with each other
+    assert all(r["with_liar"] >= STEPS // 3 for r in undefended), undefended
 
 
 # --- subkeys ------------------------------------------------------------------------------------------------------
