@@ -106,7 +106,9 @@ def test_a_leader_cannot_pair_every_peer_with_itself(tmp_path: Path) -> None:
     waits for a partner that never comes (a round timeout, then its own span alone), round after round."""
     defended = silent_leader(tmp_path / "defended", "pairs", undefended=None)
     assert all(r["rounds_ok"] >= STEPS - 2 for r in defended), defended
-    assert all(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
+    # refused by whoever read it first; a trainer that had already passed the liar over as a silent leader
+    # (its decision came after that trainer's deadline) never reads its decisions again
+    assert any(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
     undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks")
     # each such round costs a round timeout and leaves the honest trainers unaveraged with each other
     assert all(r["with_liar"] >= STEPS // 3 for r in undefended), undefended
