@@ -195,6 +195,17 @@ SHARE = 64
 LR = 0.2
 
 
+def validated_or_diverged(peers: Sequence[PeerProcess], steps: int) -> list[dict[str, Any]] | None:
+    """The peers' training reports once each validated at ``steps``, or once one's model overflowed (it computes
+    no finite gradient again, so the others would wait forever); None until then."""
+    reports = [training(p) for p in peers]
+    if all((r["validation_step"] or 0) >= steps for r in reports):
+        return reports
+    if any(validation_loss(r) == math.inf for r in reports):
+        return reports
+    return None
+
+
 def validation_loss(report: dict[str, Any]) -> float | None:
     """None before the first validation; inf for a non-finite loss (the status endpoint sends those as null)."""
     if report["validation_step"] is None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validation_loss
+from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validated_or_diverged, validation_loss
 
 pytestmark = pytest.mark.integration
 
@@ -56,17 +56,7 @@ def train(log_dir: Path, aggregation: str, attacked: bool) -> list[dict[str, Any
         for peer in swarm.peers:
             peer.wait_ready(60)
         honest = [p for p in swarm.peers if not p.name.endswith("-attacker")]
-
-        def finished() -> list[dict[str, Any]] | None:
-            reports = [p.status()["training"] for p in honest]
-            if all((r["validation_step"] or 0) >= STEPS for r in reports):
-                return reports
-            # a model that overflowed computes no finite gradient again: its peers would wait forever
-            if any(validation_loss(r) == math.inf for r in reports):
-                return reports
-            return None
-
-        return wait_for(finished, 150, f"{STEPS} steps ({aggregation}, attacked={attacked})", 0.5)
+        return wait_for(lambda: validated_or_diverged(honest, STEPS), 150, f"{STEPS} steps ({aggregation}, attacked={attacked})", 0.5)
 
 
 @pytest.fixture(scope="module")
