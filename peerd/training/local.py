@@ -10,6 +10,7 @@ from peerd.config import TrainingConfig
 from peerd.errors import ConfigError
 from peerd.tasks import Batch, Task, to_device
 from peerd.training.device import autocast, flat_views, host_buffer, resolve_device
+from peerd.wire.codec import all_finite
 
 # Slots the optimizers peerd builds keep per parameter; state averaging averages the float ones.
 AVERAGED_SLOTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -101,7 +102,7 @@ class LocalModel:
     def apply(self, flat: torch.Tensor) -> str | None:
         """One optimizer step with ``flat`` (a CPU gradient laid out as flat_mean_grad's) as the gradient; None
         if applied, else why it was not."""
-        if not torch.isfinite(flat).all():
+        if not all_finite([flat]):
             self.drop_gradients()
             return "the averaged gradient holds NaN/Inf"
         gradient = self.to_device(flat)
@@ -113,9 +114,9 @@ class LocalModel:
     def inner_step(self, samples: int) -> str | None:
         """diloco: one local optimizer step with the gradient accumulated over ``samples`` samples."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        for g in grads:
-            g.div_(samples)
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        if grads:
+            torch._foreach_div_(grads, float(samples))
+        if not all_finite(grads):
             self.drop_gradients()
             return "the local gradient holds NaN/Inf"
         return self._guarded_step(self._slots_at_risk(grads))
@@ -129,7 +130,7 @@ class LocalModel:
                          if isinstance(v, torch.Tensor)} for p in self.params} if slots_at_risk else None
         self.optimizer.step()
         self.drop_gradients()
-        if all(bool(torch.isfinite(t).all()) for t in self.state_tensors()):
+        if all_finite(self.state_tensors()):
             return None
         for p, saved in flat_views(self.params, self._before_step):
             p.data.copy_(saved)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from peerd import threads
 from peerd.config import TrainingConfig
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.evidence import Evidence
@@ -137,7 +138,7 @@ class SyncMode(Mode):
         if averaged is None:
             return
         async with h.step_lock:
-            refused = await asyncio.to_thread(h.local.apply, averaged)
+            refused = await threads.run(h.local.apply, averaged)
             if refused is not None:
                 # every member of the round got the same update and refuses it too: steps stay in agreement
                 logger.error("Step %d: update not applied: %s", h.step, refused)
@@ -158,7 +159,7 @@ class SyncMode(Mode):
         they hold NaN/Inf."""
         h = self.host
         weight = float(h.samples)
-        local = await asyncio.to_thread(h.local.flat_mean_grad, weight)
+        local = await threads.run(h.local.flat_mean_grad, weight)
         if not all_finite([local]):
             logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
                          "(lower training.lr?)", h.step)

@@ -29,6 +29,7 @@ class TrainingReport:
     tokens_per_sample: int | None = None  # language-model tasks: tokens per sequence
     mode: str = "sync"
     device: str = "cpu"
+    compute_threads: int = 0  # torch threads of the thread that runs the model (peerd/threads.py)
     precision: str = "fp32"
     state: str = "starting"
     step: int = 0
@@ -191,6 +192,7 @@ class TrainingReport:
             "tokens_per_second": round(self.samples_per_second * tokens, 1) if tokens else None,
             "mode": self.mode,
             "device": self.device,
+            "compute_threads": self.compute_threads,
             "precision": self.precision,
             "state": self.state,
             "step": self.step,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
 
 import torch
@@ -102,7 +102,7 @@ def _payload(
     return buf, head
 
 
-def all_finite(tensors: list[torch.Tensor | None]) -> bool:
+def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
     """True if no tensor holds NaN or Inf. A finite sum proves every element finite (NaN and Inf propagate
     through it) at a fraction of the cost of ``isfinite(t).all()`` (which builds a bool tensor, and is slow
     for fp16); only a sum that is not finite (a real NaN/Inf, or finite values whose sum overflows) needs

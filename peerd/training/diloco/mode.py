@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from peerd import threads
 from peerd.training.diloco.outer import OuterState
 from peerd.training.modes import Host, Mode
 from peerd.training.progress import SwarmProgress
@@ -83,10 +84,10 @@ class DilocoMode(Mode):
         phase, weight = h.step, float(h.samples)
         async with h.step_lock:
             # a phase the swarm ended between inner steps: the gradients accumulated so far still count
-            refused = await asyncio.to_thread(self._inner_step)
+            refused = await threads.run(self._inner_step)
             if refused is not None:
                 logger.error("Phase %d, last inner step: not applied: %s", phase, refused)
-            pseudo = await asyncio.to_thread(self.outer.end_phase)
+            pseudo = await threads.run(self.outer.end_phase)
             h.step, h.samples, h.report.inner_steps = phase + 1, 0, 0
         h.report.step = h.step
         outer_round = self._round(phase, pseudo, weight, expected)
@@ -107,7 +108,7 @@ class DilocoMode(Mode):
             average_residual=h.local.average_residual, out=self.outer.averaged,
             window=h.config.diloco.matchmaking_window, what=f"Phase {phase}")
         async with h.step_lock:
-            refused = await asyncio.to_thread(self.outer.step, averaged)
+            refused = await threads.run(self.outer.step, averaged)
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1
