@@ -28,7 +28,7 @@ import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.wire.membership import generate_secret
-from tests.helpers import LOCAL_CONFIG, MOE_CONFIG, REPO, calls_to, host_args, training
+from tests.helpers import EXPERTS_TTL, LOCAL_CONFIG, MOE_CONFIG, REPO, calls_to, host_args, training
 
 pytestmark = pytest.mark.integration
 
@@ -169,7 +169,8 @@ WINDOW = 20.0
 
 def rerouted(log_dir: Path, undefended: bool) -> tuple[int, int]:
     """A host serves ffn.1.0-3 and a trainer calls them; then a second host announces the same uids. Returns
-    the calls the trainer made to them and the calls the second host served, over the next WINDOW seconds."""
+    the calls the trainer made to them and the calls the second host served, over the next WINDOW seconds.
+    The second host's records expire later than the first's, as a member stealing uids would have them."""
     config = log_dir / "moe.yaml"
     log_dir.mkdir(parents=True, exist_ok=True)
     config.write_text(MOE_CONFIG.replace("run_name: peerd-moe-test", "run_name: peerd-moe-liar"))
@@ -181,7 +182,11 @@ def rerouted(log_dir: Path, undefended: bool) -> tuple[int, int]:
         trainer.wait_ready(90)
         wait_for(lambda: all(calls_to(trainer, f"ffn.1.{i}") > 0 for i in range(4)), 120,
                  "the trainer to call every expert", 0.5)
-        other = spawn(swarm, "other-host", extra=tuple(four))
+        # its records expire 2 s after the first host's: with equal lifetimes, which record is the latest at a
+        # read depends on the phases of two 1 s announcement loops and the trainer's 0.5 s reads, and a swarm
+        # could go a whole window without a read that finds the second one later
+        later = f"record_ttl: {EXPERTS_TTL + 2}"
+        other = spawn(swarm, "other-host", extra=tuple(a.replace(f"record_ttl: {EXPERTS_TTL}", later) for a in four))
         other.wait_ready(90)
         wait_for(lambda: other.peer_id in trainer.seen_peer_ids(), 60, "the trainer to see the second host", 0.5)
         calls = sum(calls_to(trainer, f"ffn.1.{i}") for i in range(4))
