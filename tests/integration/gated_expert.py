@@ -17,7 +17,8 @@ class GatedExpert(nn.Module):
     def __init__(self, hidden_dim: int, gate: str, gate_tokens: int = 3) -> None:
         super().__init__()
         self.gate, self.gate_tokens = Path(gate), gate_tokens
-        self.ffn = nn.Sequential(nn.Linear(hidden_dim, 2 * hidden_dim), nn.GELU(), nn.Linear(2 * hidden_dim, hidden_dim))
+        width = 2 * hidden_dim
+        self.ffn = nn.Sequential(nn.Linear(hidden_dim, width), nn.GELU(), nn.Linear(width, hidden_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == self.gate_tokens:

@@ -153,13 +153,15 @@ def flood(tmp_path: Path, shared: bool) -> tuple[list[str], str]:
             liar, honest = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                              initial_peers=host.ready["maddrs"][:1]) for _ in range(2)]
             try:
-                held = asyncio.ensure_future(call_code(liar, host.peer_id, pb.EXPERT_FORWARD, [torch.randn(3, MOE_HIDDEN)]))
+                held = asyncio.ensure_future(
+                    call_code(liar, host.peer_id, pb.EXPERT_FORWARD, [torch.randn(3, MOE_HIDDEN)]))
                 await asyncio.to_thread(wait_for, gate.with_suffix(".held").exists, 60, "the compute thread held")
                 floods = [asyncio.ensure_future(call_code(liar, host.peer_id, pb.EXPERT_FORWARD,
                                                           [torch.randn(FLOOD_TOKENS, MOE_HIDDEN)]))
                           for _ in range(FLOOD_CALLS)]
                 share = QUEUE if shared else QUEUE // 4
-                await asyncio.to_thread(wait_for, lambda: queued() == share, 60, f"{share} of the member's tokens queued")
+                await asyncio.to_thread(wait_for, lambda: queued() == share, 60,
+                                        f"{share} of the member's tokens queued")
                 other = asyncio.ensure_future(call_code(honest, host.peer_id, pb.EXPERT_FORWARD,
                                                         [torch.randn(4, MOE_HIDDEN)]))
                 if not shared:  # admitted: it waits in the queue behind the member's share

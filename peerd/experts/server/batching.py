@@ -6,8 +6,9 @@ takes the calls that queued up meanwhile, up to ``experts.max_request_tokens`` t
 in turn, so the busier the expert the larger its batches, and a caller with many calls waiting takes no more
 of a batch than one with a single call. One caller's calls wait for at most
 ``experts.max_queued_tokens_per_caller`` tokens at once: the rest of the queue stays open to the others. A
-backward call's output gradients are bounded against other callers' (:mod:`peerd.experts.server.shares`). Payloads are decoded and validated on the compute thread, each call on its own: one caller's
-malformed tensor fails only that call. Results go back to the event loop through futures.
+backward call's output gradients are bounded against other callers' (:mod:`peerd.experts.server.shares`).
+Payloads are decoded and validated on the compute thread, each call on its own: one caller's malformed tensor
+fails only that call. Results go back to the event loop through futures.
 
 A forward call with a call id has its activations kept (:mod:`peerd.experts.server.stash`): its autograd graph when
 it was computed on its own, its inputs when it shared a batch with other callers' calls (one graph cannot be
