@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import secrets
 import sys
@@ -90,8 +91,11 @@ async def slots(maddr: str, identities: int, streams: int, protocol: str) -> Non
                 await asyncio.sleep(0.05)
                 continue
             held.append(writer)
-            await reader.read()  # the target's first answer (a refusal) or EOF: open another at once, and
-            held.remove(writer)  # leave this one to the target to close
+            # the target's first answer (a refusal), EOF or a reset: open another at once, and leave this one to
+            # the target to close
+            with contextlib.suppress(Exception):
+                await reader.read()
+            held.remove(writer)
 
     tasks = [asyncio.ensure_future(hold(node)) for node in nodes for _ in range(streams)]
     deadline = time.monotonic() + 60

@@ -1,7 +1,9 @@
-"""A stranger's slot attack, with real processes: 4 identities without the secret open 16 streams each to a
+"""A stranger's slot attack, with real processes: 5 identities without the secret open 16 streams each to a
 trainer's averaging handler and say nothing (tests/integration/stranger.py), re-opening every stream the
-trainer closes. The trainer's member slots are cut to 64 (swarm.streams.max_streams), so that the strangers'
-64 streams are exactly what took every slot when a stream's slot was taken before its handshake.
+trainer closes or refuses. The trainer's member slots are cut to 64 (swarm.streams.max_streams): the strangers'
+80 streams take every slot when a stream's slot is taken before its handshake, and the 16 left over wait to
+take any slot that frees, as an attacker would keep them (with exactly 64, a slot a member's stream held at
+the attack's start stayed the member's, round after round).
 
 peerd keeps unproven streams in a pool of their own (4 per peer): the two members average on as before.
 The same attack against ``tests/integration/undefended.py`` with one pool for both shows the damage: the
@@ -33,7 +35,7 @@ ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", ""
 # member a window to average through while they reopen
 LIMITS = ["-o", "swarm.streams.max_streams=64", "-o", "swarm.streams.max_streams_per_peer=16",
           "-o", "swarm.streams.handshake_timeout=300"]
-IDENTITIES, STREAMS = 4, 16
+IDENTITIES, STREAMS = 5, 16
 ROUNDS = 5
 
 
@@ -86,6 +88,8 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
                      f"the strangers to hold {full} of the victim's {pool}", 0.2)
             refused_before = dict(victim.status(timeout=30)["membership"]["streams_refused"])
             attacked = time_rounds(victim, ROUNDS, 3 * baseline + 30)
+            # an attacker that died mid-attack would make the undefended run look defended
+            assert stranger.poll() is None, "the strangers' process ended during the attack"
 
             def refusals() -> dict[str, int] | None:
                 refused = victim.status(timeout=30)["membership"]["streams_refused"]
@@ -110,4 +114,4 @@ def test_strangers_cannot_take_members_stream_slots(tmp_path: Path) -> None:
     assert attacked is not None, "the member stopped averaging under the strangers' attack"
     _, attacked, refused = run(tmp_path / "undefended", undefended=True)
     assert attacked is None, f"one pool for all: the member still averaged {ROUNDS} rounds in {attacked} s"
-    assert refused.get("busy", 0) > 0  # the member's own streams, refused for the strangers' sake
+    assert refused.get("busy", 0) > 0  # the strangers' spare streams, and the member's
