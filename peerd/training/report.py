@@ -30,6 +30,7 @@ class TrainingReport:
     mode: str = "sync"
     device: str = "cpu"
     compute_threads: int = 0  # torch threads of the thread that runs the model (peerd/threads.py)
+    codec_kernel: str = ""  # what encodes 8-bit payloads: the C kernel's instruction set, or torch
     precision: str = "fp32"
     state: str = "starting"
     step: int = 0
@@ -193,6 +194,7 @@ class TrainingReport:
             "mode": self.mode,
             "device": self.device,
             "compute_threads": self.compute_threads,
+            "codec_kernel": self.codec_kernel,
             "precision": self.precision,
             "state": self.state,
             "step": self.step,

@@ -40,6 +40,7 @@ from peerd.training.progress import ProgressTracker, progress_pause, wait_unless
 from peerd.training.report import TrainingReport
 from peerd.training.rounds import RoundRunner
 from peerd.training.transfer.server import StateServer
+from peerd.wire import blockwise
 from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class CollaborativeTrainer:
                                      model_parameters=self.local.total_numel,
                                      tokens_per_sample=task.tokens_per_sample, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision,
-                                     compute_threads=threads.compute_threads(),
+                                     compute_threads=threads.compute_threads(), codec_kernel=blockwise.kernel(),
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
         self.reducer = AllReducer(guard, averaging)

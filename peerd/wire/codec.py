@@ -6,8 +6,8 @@ with fewer than ``min_compress_numel`` elements travel as fp16, or raw in their 
 overflow them or flush them below the int8 error bound. :func:`decode` trusts nothing in a payload: every
 inconsistency raises :class:`~peerd.errors.CodecError` naming the sending peer.
 
-Speed comes from fused passes over cache-sized chunks into preallocated buffers, so each fp32 element is read
-from memory once on encode and written once on decode, and the encoded bytes are written in place.
+The blocks' arithmetic lives in :mod:`peerd.wire.blockwise` (a C kernel that reads each fp32 element once);
+the encoded bytes are written in place into the payload, and decoding can write into a caller's buffer.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from __future__ import annotations
 import math
 import struct
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
 
 from peerd.config import CodecConfig
 from peerd.errors import CodecError
+from peerd.wire import blockwise
+from peerd.wire.blockwise import MAX_SCALE, MIN_SCALE
 
-__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "VERSION", "Scheme", "decode", "encode"]
+__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode"]
 
 MAGIC = b"PDQ8"
 VERSION = 1
@@ -43,26 +45,9 @@ DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-def _f32_bits(value: float) -> int:
-    return int(struct.unpack("<I", struct.pack("<f", value))[0])
-
-
-def _bf16_floor(value: float) -> float:
-    return float(struct.unpack("<f", struct.pack("<I", _f32_bits(value) & 0xFFFF0000))[0])
-
-
-# Scales are rounded *up* to bf16 (fp32's range in 2 bytes), so no code exceeds 127; the floor gives all-zero
-# blocks a finite reciprocal, the ceiling keeps 127 * scale finite in fp32.
-MIN_SCALE = 2.0**-126
-MAX_SCALE = _bf16_floor(torch.finfo(torch.float32).max / 127)
-_MAX_SCALE_BITS = _f32_bits(MAX_SCALE) >> 16
 FP16_MAX = 65504.0
 # Below this absmax the fp16 subnormal step (2**-24) is coarser than the int8 codec's bound absmax / 254.
 FP16_MIN_ABSMAX = 254 * 2.0**-25
-# Elements per fused pass: its fp32 scratch (2 MiB) stays in cache, so each chunk comes from DRAM only once.
-CHUNK_NUMEL = 1 << 19
-
-
 def encode(tensor: torch.Tensor, config: CodecConfig) -> bytearray:
     """Serializes a float32/float16/bfloat16 tensor; ``bytes(result)`` if an immutable copy is needed.
 
@@ -132,50 +117,13 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
     return buf
 
 
-def _spans(numel: int, block: int) -> Iterator[tuple[int, int, int, int]]:
-    """(first element, first block, rows, row width) of each fused pass: chunks of whole blocks, then the
-    partial last block on its own, so that every chunk is a zero-copy 2-d view of the flat tensor."""
-    full, step = numel // block, max(1, CHUNK_NUMEL // block)
-    for first in range(0, full, step):
-        yield first * block, first, min(step, full - first), block
-    if numel > full * block:
-        yield full * block, full, 1, numel - full * block
-
-
 def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int) -> bytearray:
     numel, nblocks = flat.numel(), -(-flat.numel() // block)
     buf, head = _payload(Scheme.INT8_BLOCKWISE, flat.dtype, shape, block, 2 * nblocks + numel)
-    codes = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=head + 2 * nblocks)
-    absmax, scales = torch.empty(nblocks), torch.empty(nblocks)
-    scratch = torch.empty(min(numel, max(1, CHUNK_NUMEL // block) * block))
-    for start, first, rows, width in _spans(numel, block):
-        end, stop = start + rows * width, first + rows
-        values, chunk_codes = flat[start:end].view(rows, width), codes[start:end].view(rows, width)
-        tmp = scratch[: end - start].view(rows, width)
-        _quantize_rows(values, chunk_codes, absmax[first:stop], scales[first:stop], tmp)
-    if not math.isfinite(float(absmax.max())):  # amax propagates NaN, so one check covers every element
+    body = memoryview(buf)[head:]
+    if not blockwise.quantize(flat, body[: 2 * nblocks], body[2 * nblocks :], block):
         raise _non_finite(flat.dtype)
-    # The scales hold bf16 values already (rounded up in _quantize_rows), so narrowing them is exact.
-    torch.frombuffer(buf, dtype=torch.bfloat16, count=nblocks, offset=head).copy_(scales)
     return buf
-
-
-def _quantize_rows(
-    rows: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, scales: torch.Tensor, tmp: torch.Tensor
-) -> None:
-    if rows.dtype == torch.float32:
-        torch.amax(torch.abs(rows, out=tmp), dim=1, out=absmax)
-        src = rows
-    else:  # widen once; the reductions and the product then run on the fp32 copy
-        src = tmp.copy_(rows)
-        torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=absmax)
-    torch.mul(absmax, 1 / 127, out=scales)
-    # Round up to bf16 by carrying into the high half of the fp32 bits (scales are non-negative here).
-    scales.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
-    scales.clamp_(MIN_SCALE, MAX_SCALE)
-    # No clamp to [-127, 127] needed: |x| / MAX_SCALE <= float32 max / MAX_SCALE = 127.007 rounds to 127.
-    torch.mul(src, scales.reciprocal().unsqueeze(1), out=tmp).round_()
-    codes.copy_(tmp)
 
 
 def _fail(peer_id: str, reason: str) -> CodecError:
@@ -255,36 +203,14 @@ def decode(
     if numel == 0:
         return result
     if scheme is Scheme.INT8_BLOCKWISE:
-        _dequantize(buf, head, nblocks, block, result.view(-1), peer_id)
+        raw_scales = _view(buf, torch.int16, nblocks, head)
+        codes = _view(buf, torch.int8, numel, head + 2 * nblocks)
+        reason = blockwise.dequantize(raw_scales, codes, block, result.view(-1))
+        if reason is not None:
+            raise _fail(peer_id, reason)
         return result
     values = _view(buf, torch.float16 if scheme is Scheme.FP16 else dtype, numel, head)
     if not all_finite([values]):
         raise _fail(peer_id, f"NaN or Inf in the {scheme.name} body")
     result.view(-1).copy_(values)
     return result
-
-
-def _dequantize(
-    buf: memoryview, head: int, nblocks: int, block: int, flat: torch.Tensor, peer_id: str
-) -> None:
-    raw_scales = _view(buf, torch.int16, nblocks, head)
-    low, high = (int(v) for v in torch.aminmax(raw_scales))
-    if low < 0 or high > _MAX_SCALE_BITS:  # bit order = value order for non-negative bf16; NaN/Inf sort above
-        bad = raw_scales[(raw_scales < 0) | (raw_scales > _MAX_SCALE_BITS)][0].view(torch.bfloat16).item()
-        raise _fail(peer_id, f"block scale {bad} is negative, NaN, Inf or above {MAX_SCALE:.4e}")
-    numel = flat.numel()
-    codes = _view(buf, torch.int8, numel, head + 2 * nblocks)
-    if int(codes.min()) == -128:
-        raise _fail(peer_id, "code -128 (the encoder only emits [-127, 127])")
-    scales = raw_scales.view(torch.bfloat16).float()
-    # fp16/bf16 results go through an fp32 scratch and saturate, since a rounded-up scale may overshoot 65504.
-    narrow = flat.dtype != torch.float32
-    scratch = torch.empty(min(numel, max(1, CHUNK_NUMEL // block) * block)) if narrow else None
-    limit = torch.finfo(flat.dtype).max
-    for start, first, rows, width in _spans(numel, block):
-        end = start + rows * width
-        out = flat[start:end].view(rows, width)
-        target = out if scratch is None else scratch[: end - start].view(rows, width)
-        target.copy_(codes[start:end].view(rows, width)).mul_(scales[first : first + rows].unsqueeze(1))
-        if scratch is not None:
-            out.copy_(target.clamp_(-limit, limit))
