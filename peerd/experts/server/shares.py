@@ -34,6 +34,7 @@ class CallerGradients:
         self.ratio = ratio
         self.scaled = 0  # calls whose gradients were scaled down
         self._norms: OrderedDict[str, deque[float]] = OrderedDict()
+        self._medians: dict[str, float] = {}  # of each caller's kept norms, updated when they change
         self._lock = threading.Lock()  # the server's compute threads serve several experts' queues at once
 
     def bound(self, peer: str, grad_outputs: torch.Tensor) -> torch.Tensor:
@@ -47,11 +48,12 @@ class CallerGradients:
                 kept = self._norms.pop(peer, None) or deque(maxlen=CALLS_KEPT)
                 kept.append(norm)
                 self._norms[peer] = kept
+                self._medians[peer] = statistics.median(kept)
                 while len(self._norms) > CALLERS_KEPT:
-                    self._norms.popitem(last=False)
-        if self.ratio is None or reference is None or norm <= self.ratio * reference:
-            return grad_outputs
-        self.scaled += 1
+                    self._medians.pop(self._norms.popitem(last=False)[0], None)
+            if self.ratio is None or reference is None or norm <= self.ratio * reference:
+                return grad_outputs
+            self.scaled += 1
         return grad_outputs * (self.ratio * reference / norm)
 
     def reference(self) -> float | None:
@@ -60,5 +62,5 @@ class CallerGradients:
             return self._reference()
 
     def _reference(self) -> float | None:
-        medians = sorted(statistics.median(norms) for norms in self._norms.values())
+        medians = sorted(self._medians.values())
         return medians[(len(medians) - 1) // 2] if medians else None
