@@ -14,6 +14,14 @@ from peerd.config.diloco import DilocoConfig
 class CodecConfig(Section):
     """The 8-bit blockwise quantization codec used for averaging payloads."""
 
+    scheme: Literal["blockwise8", "blockwise4", "blockwise2"] = Field(
+        default="blockwise8",
+        description="Code width of averaged values: 8, 4 or 2 bits per element plus one bf16 scale per block "
+        "(2 bits: -1, 0 or 1 times the block's largest value). Narrower codes move fewer bytes and lose more per "
+        "round; error feedback carries the loss into the next round, so 4 and 2 bits need "
+        "`averaging.codec.error_feedback`. Meant for diloco's pseudo-gradients; state averaging stays lossless. "
+        "Peers of one swarm may differ: every peer decodes every width.",
+    )
     block_size: int = Field(
         default=128, ge=8, le=65536,
         description="Elements per absmax-scaled block. Each block carries its own bf16 scale (2 bytes; at 128 "
@@ -97,6 +105,11 @@ class AveragingConfig(Section):
             )
         if self.join_timeout >= self.round_timeout:
             raise ValueError("averaging.join_timeout must be below averaging.round_timeout: lower join_timeout")
+        if self.codec.scheme != "blockwise8" and not self.codec.error_feedback and not self.codec.lossless:
+            raise ValueError(
+                f"averaging.codec.scheme {self.codec.scheme} needs averaging.codec.error_feedback: without it, "
+                "what narrow codes drop is lost every round: set error_feedback to true or use blockwise8"
+            )
         if self.max_matchmaking_window < self.matchmaking_window:
             raise ValueError(
                 f"averaging.max_matchmaking_window ({self.max_matchmaking_window}) is below "

@@ -31,6 +31,7 @@ class TrainingReport:
     device: str = "cpu"
     compute_threads: int = 0  # torch threads of the thread that runs the model (peerd/threads.py)
     codec_kernel: str = ""  # what encodes 8-bit payloads: the C kernel's instruction set, or torch
+    codec_scheme: str = ""  # averaging.codec.scheme: the code width of averaged gradients and pseudo-gradients
     precision: str = "fp32"
     state: str = "starting"
     step: int = 0
@@ -195,6 +196,7 @@ class TrainingReport:
             "device": self.device,
             "compute_threads": self.compute_threads,
             "codec_kernel": self.codec_kernel,
+            "codec_scheme": self.codec_scheme,
             "precision": self.precision,
             "state": self.state,
             "step": self.step,

@@ -65,6 +65,7 @@ class CollaborativeTrainer:
                                      tokens_per_sample=task.tokens_per_sample, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision,
                                      compute_threads=threads.compute_threads(), codec_kernel=blockwise.kernel(),
+                                     codec_scheme=averaging.codec.scheme,
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
         self.reducer = AllReducer(guard, averaging)

@@ -28,7 +28,7 @@ from peerd.wire.blockwise import MAX_SCALE, MIN_SCALE
 __all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode"]
 
 MAGIC = b"PDQ8"
-VERSION = 1
+VERSION = 2  # version 2 adds the 4- and 2-bit schemes; payloads of the others stay version 1, which any peer reads
 MAX_NDIM = 32
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 65536
 # magic, version, scheme, dtype code, ndim, block size, reserved (0), numel: 24 bytes, bodies stay 8-aligned.
@@ -39,6 +39,14 @@ class Scheme(IntEnum):
     RAW = 0  # body: numel elements of the original dtype
     FP16 = 1  # body: numel fp16 elements, cast back to the original dtype
     INT8_BLOCKWISE = 2  # body: ceil(numel / block_size) bf16 scales, then numel int8 codes
+    INT4_BLOCKWISE = 3  # the same scales, then ceil(numel / 2) bytes of 4-bit codes in [-7, 7]
+    INT2_BLOCKWISE = 4  # the same scales, then ceil(numel / 4) bytes of 2-bit codes in [-1, 1]
+
+
+# the payload version each scheme is written with: the oldest that has it
+_VERSIONS = {scheme: 2 if scheme >= Scheme.INT4_BLOCKWISE else 1 for scheme in Scheme}
+BLOCKWISE_BITS = {Scheme.INT8_BLOCKWISE: 8, Scheme.INT4_BLOCKWISE: 4, Scheme.INT2_BLOCKWISE: 2}
+_SCHEMES = {"blockwise8": Scheme.INT8_BLOCKWISE, "blockwise4": Scheme.INT4_BLOCKWISE, "blockwise2": Scheme.INT2_BLOCKWISE}
 
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -61,7 +69,7 @@ def encode(tensor: torch.Tensor, config: CodecConfig) -> bytearray:
     if config.lossless:
         return _encode_raw(flat, tuple(tensor.shape))
     if flat.numel() >= max(config.min_compress_numel, 1):
-        return _encode_blockwise(flat, tuple(tensor.shape), config.block_size)
+        return _encode_blockwise(flat, tuple(tensor.shape), config.block_size, _SCHEMES[config.scheme])
     return _encode_small(flat, tuple(tensor.shape))
 
 
@@ -81,7 +89,7 @@ def _payload(
     head = HEADER.size + 8 * len(shape)
     buf = bytearray(head + body)
     HEADER.pack_into(
-        buf, 0, MAGIC, VERSION, scheme, DTYPE_CODES[dtype], len(shape), block, 0, math.prod(shape)
+        buf, 0, MAGIC, _VERSIONS[scheme], scheme, DTYPE_CODES[dtype], len(shape), block, 0, math.prod(shape)
     )
     struct.pack_into(f"<{len(shape)}Q", buf, HEADER.size, *shape)
     return buf, head
@@ -117,11 +125,26 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
     return buf
 
 
-def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int) -> bytearray:
-    numel, nblocks = flat.numel(), -(-flat.numel() // block)
-    buf, head = _payload(Scheme.INT8_BLOCKWISE, flat.dtype, shape, block, 2 * nblocks + numel)
+def _body_size(scheme: Scheme, numel: int, block: int) -> tuple[int, int]:
+    """(scale count, body bytes) of a blockwise payload."""
+    nblocks = -(-numel // block)
+    return nblocks, 2 * nblocks + -(-numel * BLOCKWISE_BITS[scheme] // 8)
+
+
+def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int, scheme: Scheme) -> bytearray:
+    numel, bits = flat.numel(), BLOCKWISE_BITS[scheme]
+    nblocks, body_size = _body_size(scheme, numel, block)
+    buf, head = _payload(scheme, flat.dtype, shape, block, body_size)
     body = memoryview(buf)[head:]
-    if not blockwise.quantize(flat, body[: 2 * nblocks], body[2 * nblocks :], block):
+    scales, codes = body[: 2 * nblocks], body[2 * nblocks :]
+    if bits == 8:
+        finite = blockwise.quantize(flat, scales, codes, block)
+    else:
+        unpacked = bytearray(numel)
+        finite = blockwise.quantize(flat, scales, memoryview(unpacked), block, bits)
+        if finite:
+            blockwise.pack(torch.frombuffer(unpacked, dtype=torch.int8), codes, bits)
+    if not finite:
         raise _non_finite(flat.dtype)
     return buf
 
@@ -157,12 +180,14 @@ def decode(
     magic, version, scheme_code, dtype_code, ndim, block, reserved, numel = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise _fail(peer_id, f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise _fail(peer_id, f"unsupported codec version {version}, this peer speaks version {VERSION}")
+    if not 1 <= version <= VERSION:
+        raise _fail(peer_id, f"unsupported codec version {version}, this peer speaks versions 1 to {VERSION}")
     try:
         scheme = Scheme(scheme_code)
     except ValueError:
         raise _fail(peer_id, f"unknown scheme {scheme_code}") from None
+    if _VERSIONS[scheme] > version:
+        raise _fail(peer_id, f"scheme {scheme.name} in a version {version} payload (it came with version 2)")
     if dtype_code not in _DTYPES:
         raise _fail(peer_id, f"unknown dtype code {dtype_code}")
     dtype = _DTYPES[dtype_code]
@@ -182,11 +207,10 @@ def decode(
         raise _fail(peer_id, f"shape {shape} differs from the expected {tuple(wanted)}")
     if max_numel is not None and numel > max_numel:
         raise _fail(peer_id, f"{numel} elements exceed the limit of {max_numel}")
-    if scheme is Scheme.INT8_BLOCKWISE:
+    if scheme in BLOCKWISE_BITS:
         if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
             raise _fail(peer_id, f"block size {block} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
-        nblocks = -(-numel // block)
-        body = 2 * nblocks + numel
+        nblocks, body = _body_size(scheme, numel, block)
     elif block != 0:
         raise _fail(peer_id, f"block size {block} given for non-blockwise scheme {scheme.name}")
     else:
@@ -202,10 +226,15 @@ def decode(
     result = out if out is not None else torch.empty(shape, dtype=dtype)
     if numel == 0:
         return result
-    if scheme is Scheme.INT8_BLOCKWISE:
+    if scheme in BLOCKWISE_BITS:
+        bits = BLOCKWISE_BITS[scheme]
         raw_scales = _view(buf, torch.int16, nblocks, head)
-        codes = _view(buf, torch.int8, numel, head + 2 * nblocks)
-        reason = blockwise.dequantize(raw_scales, codes, block, result.view(-1))
+        codes = _view(buf, torch.int8, body - 2 * nblocks, head + 2 * nblocks)
+        unpacked = codes if bits == 8 else blockwise.unpack(codes.view(torch.uint8), numel, bits)
+        if isinstance(unpacked, str):
+            reason: str | None = unpacked
+        else:
+            reason = blockwise.dequantize(raw_scales, unpacked, block, result.view(-1), bits)
         if reason is not None:
             raise _fail(peer_id, reason)
         return result
