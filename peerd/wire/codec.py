@@ -134,8 +134,10 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
 
 
 def _encode_topk(flat: torch.Tensor, shape: tuple[int, ...], block: int, bits: int, k: int) -> bytearray:
-    buf, head = _payload(_TOPK_SCHEMES[bits], flat.dtype, shape, block, topk.body_size(flat.numel(), k, block, bits))
-    if not topk.encode_body(flat, k, block, bits, memoryview(buf)[head:]):
+    positions = topk.select(flat, k)
+    size = topk.body_size(flat.numel(), positions.numel(), block, bits)
+    buf, head = _payload(_TOPK_SCHEMES[bits], flat.dtype, shape, block, size)
+    if not topk.encode_body(flat, positions, block, bits, memoryview(buf)[head:]):
         raise _non_finite(flat.dtype)
     return buf
 

@@ -146,3 +146,17 @@ def test_positions_round_trip_at_every_count(k: int) -> None:
     sparse.encode_positions(positions, n, memoryview(buf))
     decoded = sparse.decode_positions(torch.tensor(list(buf), dtype=torch.uint8), n, k)
     assert isinstance(decoded, torch.Tensor) and torch.equal(decoded, positions)
+
+
+@pytest.mark.parametrize("density", [0.0156, 0.001, 0.3])
+def test_sampled_selection_takes_the_largest(density: float) -> None:
+    from peerd.wire.topk import select
+
+    torch.manual_seed(11)
+    x = torch.distributions.StudentT(3.0).sample((1 << 19,)).float()
+    k = choose_k(x.numel(), density)
+    chosen = select(x, k)
+    assert chosen.numel() <= k and chosen.numel() >= 0.9 * k
+    assert bool((chosen[1:] > chosen[:-1]).all())
+    truth = torch.topk(x.abs(), chosen.numel()).indices.sort().values
+    assert torch.equal(chosen, truth)  # however many it takes, they are the largest
