@@ -231,6 +231,17 @@ def main() -> int:
             None,
             None,
         )
+    sparse = CodecConfig(block_size=args.block_size, scheme="topk", density=0.0156, value_bits=2)
+    sparse_payload = encode(x, sparse)
+    sparse_error = rel_l2(x, decode(sparse_payload, peer_id=PEER, expected_shape=x.shape))
+    table.add("  top-k 1.56%, 2-bit: encode", timings_ms(lambda: encode(x, sparse), repeats), sparse_error,
+              len(sparse_payload))
+    table.add(
+        "  top-k 1.56%, 2-bit: decode (out=)",
+        timings_ms(lambda: decode(sparse_payload, peer_id=PEER, out=out), repeats),
+        None,
+        None,
+    )
     table.add("memcpy dst.copy_(src) (floor)", timings_ms(lambda: dst.copy_(x), repeats), 0.0, numel * 4)
     table.add("fresh alloc + copy: x.clone()", timings_ms(lambda: x.clone(), repeats), 0.0, numel * 4)
     table.print()

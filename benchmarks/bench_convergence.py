@@ -25,8 +25,9 @@ per peer as ``--steps`` sync steps would use; ``--steps`` must make whole phases
 compares 8-bit + error feedback against fp32 pseudo-gradients (target within 1%); these runs turn overlap
 off, since with overlap the inner step at which an average lands depends on timing and the runs stop being
 repeatable. ``--compare mode`` compares sync mode against diloco with overlap (the default) at equal samples
-(target within 3%). ``--compare widths`` compares 4- and 2-bit codes (``averaging.codec.scheme``, with error
-feedback) against 8-bit, the bytes of a round included (target: within 2%; use it with ``--mode diloco``).
+(target within 3%). ``--compare widths`` compares 4- and 2-bit codes and top-k at 1.56% with 2-bit values
+(``averaging.codec.scheme``, with error feedback) against 8-bit, the bytes of a round included (target: within
+2%; use it with ``--mode diloco``).
 
 Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 2]
      [--samples-per-step 32] [--timing] [--compare codec|aggregation|mode|widths] [--mode sync|diloco]
@@ -49,6 +50,7 @@ from peerd.tables import format_table
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lm.yaml"
 FP32, EIGHT_BIT = "fp32 (lossless)", "8-bit + error feedback"
 FOUR_BIT, TWO_BIT = "4-bit + error feedback", "2-bit + error feedback"
+TOP_K = "top-k 1.56%, 2-bit values + error feedback"
 MEAN, ROBUST = "mean", "centered_clip"
 # comparison -> {setting: its overrides}; the first setting is the baseline the second is measured against
 COMPARISONS = {
@@ -58,7 +60,9 @@ COMPARISONS = {
     "mode": {"sync": ["-o", "training.mode=sync"], "diloco": ["-o", "training.mode=diloco"]},
     "widths": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
                FOUR_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise4"],
-               TWO_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise2"]},
+               TWO_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise2"],
+               TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+                       "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
 }
 MICRO_BATCH = 16  # configs/lm.yaml's task uses the lm task's default batch_size
 

@@ -14,13 +14,21 @@ from peerd.config.diloco import DilocoConfig
 class CodecConfig(Section):
     """The 8-bit blockwise quantization codec used for averaging payloads."""
 
-    scheme: Literal["blockwise8", "blockwise4", "blockwise2"] = Field(
+    scheme: Literal["blockwise8", "blockwise4", "blockwise2", "topk"] = Field(
         default="blockwise8",
-        description="Code width of averaged values: 8, 4 or 2 bits per element plus one bf16 scale per block "
-        "(2 bits: -1, 0 or 1 times the block's largest value). Narrower codes move fewer bytes and lose more per "
-        "round; error feedback carries the loss into the next round, so 4 and 2 bits need "
-        "`averaging.codec.error_feedback`. Meant for diloco's pseudo-gradients; state averaging stays lossless. "
-        "Peers of one swarm may differ: every peer decodes every width.",
+        description="How averaged values are coded: every element at 8, 4 or 2 bits plus one bf16 scale per "
+        "block (2 bits: -1, 0 or 1 times the block's largest value), or `topk`: only the `density` share of "
+        "each payload's largest elements, their positions and their values at `value_bits`. Narrower codes move "
+        "fewer bytes and lose more per round; error feedback carries the loss into the next round, so all but "
+        "blockwise8 need `averaging.codec.error_feedback`. Meant for diloco's pseudo-gradients; state averaging "
+        "stays lossless. Peers of one swarm may differ: every peer decodes every scheme.",
+    )
+    density: float = Field(
+        default=0.0156, gt=0.0, le=1.0,
+        description="topk: the share of each payload's elements that travel (the largest in magnitude).",
+    )
+    value_bits: Literal[8, 4, 2] = Field(
+        default=2, description="topk: bits of each sent value's code (blockwise scales, as the blockwise schemes).",
     )
     block_size: int = Field(
         default=128, ge=8, le=65536,

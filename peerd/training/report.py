@@ -31,7 +31,9 @@ class TrainingReport:
     device: str = "cpu"
     compute_threads: int = 0  # torch threads of the thread that runs the model (peerd/threads.py)
     codec_kernel: str = ""  # what encodes 8-bit payloads: the C kernel's instruction set, or torch
-    codec_scheme: str = ""  # averaging.codec.scheme: the code width of averaged gradients and pseudo-gradients
+    codec_scheme: str = ""  # averaging.codec.scheme: how averaged gradients and pseudo-gradients are coded
+    codec_density: float | None = None  # topk: the share of elements a payload carries
+    codec_value_bits: int | None = None  # topk: bits per sent value
     precision: str = "fp32"
     state: str = "starting"
     step: int = 0
@@ -197,6 +199,8 @@ class TrainingReport:
             "compute_threads": self.compute_threads,
             "codec_kernel": self.codec_kernel,
             "codec_scheme": self.codec_scheme,
+            "codec_density": self.codec_density,
+            "codec_value_bits": self.codec_value_bits,
             "precision": self.precision,
             "state": self.state,
             "step": self.step,

@@ -60,12 +60,15 @@ class CollaborativeTrainer:
         self.local = LocalModel(config, task, error_feedback=averaging.codec.error_feedback)
         self.prefix = f"{run_name}.{task.fingerprint}"
         self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl, shard_index)
+        sparse_codes = averaging.codec.scheme == "topk"
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel,
                                      model_parameters=self.local.total_numel,
                                      tokens_per_sample=task.tokens_per_sample, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision,
                                      compute_threads=threads.compute_threads(), codec_kernel=blockwise.kernel(),
                                      codec_scheme=averaging.codec.scheme,
+                                     codec_density=averaging.codec.density if sparse_codes else None,
+                                     codec_value_bits=averaging.codec.value_bits if sparse_codes else None,
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
         self.reducer = AllReducer(guard, averaging)

@@ -22,13 +22,13 @@ import torch
 
 from peerd.config import CodecConfig
 from peerd.errors import CodecError
-from peerd.wire import blockwise
+from peerd.wire import blockwise, topk
 from peerd.wire.blockwise import MAX_SCALE, MIN_SCALE
 
 __all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode"]
 
 MAGIC = b"PDQ8"
-VERSION = 2  # version 2 adds the 4- and 2-bit schemes; payloads of the others stay version 1, which any peer reads
+VERSION = 3  # 2 added the 4- and 2-bit schemes, 3 top-k; a payload is written with the oldest version of its scheme
 MAX_NDIM = 32
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 65536
 # magic, version, scheme, dtype code, ndim, block size, reserved (0), numel: 24 bytes, bodies stay 8-aligned.
@@ -41,10 +41,15 @@ class Scheme(IntEnum):
     INT8_BLOCKWISE = 2  # body: ceil(numel / block_size) bf16 scales, then numel int8 codes
     INT4_BLOCKWISE = 3  # the same scales, then ceil(numel / 2) bytes of 4-bit codes in [-7, 7]
     INT2_BLOCKWISE = 4  # the same scales, then ceil(numel / 4) bytes of 2-bit codes in [-1, 1]
+    TOPK8 = 5  # k, the positions of the k largest |x| (Elias-Fano), then their values as INT8_BLOCKWISE codes them
+    TOPK4 = 6  # the same, values coded as INT4_BLOCKWISE
+    TOPK2 = 7  # the same, values coded as INT2_BLOCKWISE
 
 
 # the payload version each scheme is written with: the oldest that has it
-_VERSIONS = {scheme: 2 if scheme >= Scheme.INT4_BLOCKWISE else 1 for scheme in Scheme}
+_VERSIONS = {scheme: 3 if scheme >= Scheme.TOPK8 else 2 if scheme >= Scheme.INT4_BLOCKWISE else 1 for scheme in Scheme}
+TOPK_BITS = {Scheme.TOPK8: 8, Scheme.TOPK4: 4, Scheme.TOPK2: 2}
+_TOPK_SCHEMES = {bits: scheme for scheme, bits in TOPK_BITS.items()}
 BLOCKWISE_BITS = {Scheme.INT8_BLOCKWISE: 8, Scheme.INT4_BLOCKWISE: 4, Scheme.INT2_BLOCKWISE: 2}
 _SCHEMES = {"blockwise8": Scheme.INT8_BLOCKWISE, "blockwise4": Scheme.INT4_BLOCKWISE, "blockwise2": Scheme.INT2_BLOCKWISE}
 
@@ -68,6 +73,9 @@ def encode(tensor: torch.Tensor, config: CodecConfig) -> bytearray:
     flat = tensor.detach().to("cpu").reshape(-1)  # a view of a contiguous CPU tensor; one gather otherwise
     if config.lossless:
         return _encode_raw(flat, tuple(tensor.shape))
+    if flat.numel() >= max(config.min_compress_numel, 1) and config.scheme == "topk":
+        k = topk.choose_k(flat.numel(), config.density)
+        return _encode_topk(flat, tuple(tensor.shape), config.block_size, config.value_bits, k)
     if flat.numel() >= max(config.min_compress_numel, 1):
         return _encode_blockwise(flat, tuple(tensor.shape), config.block_size, _SCHEMES[config.scheme])
     return _encode_small(flat, tuple(tensor.shape))
@@ -122,6 +130,15 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
     buf, head = _payload(scheme, flat.dtype, shape, 0, flat.numel() * body_dtype.itemsize)
     if flat.numel():
         torch.frombuffer(buf, dtype=body_dtype, count=flat.numel(), offset=head).copy_(flat)
+    return buf
+
+
+def _encode_topk(flat: torch.Tensor, shape: tuple[int, ...], block: int, bits: int, k: int) -> bytearray:
+    positions = topk.select(flat, k)
+    size = topk.body_size(flat.numel(), positions.numel(), block, bits)
+    buf, head = _payload(_TOPK_SCHEMES[bits], flat.dtype, shape, block, size)
+    if not topk.encode_body(flat, positions, block, bits, memoryview(buf)[head:]):
+        raise _non_finite(flat.dtype)
     return buf
 
 
@@ -187,7 +204,8 @@ def decode(
     except ValueError:
         raise _fail(peer_id, f"unknown scheme {scheme_code}") from None
     if _VERSIONS[scheme] > version:
-        raise _fail(peer_id, f"scheme {scheme.name} in a version {version} payload (it came with version 2)")
+        raise _fail(peer_id, f"scheme {scheme.name} in a version {version} payload (it came with version "
+                             f"{_VERSIONS[scheme]})")
     if dtype_code not in _DTYPES:
         raise _fail(peer_id, f"unknown dtype code {dtype_code}")
     dtype = _DTYPES[dtype_code]
@@ -211,6 +229,15 @@ def decode(
         if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
             raise _fail(peer_id, f"block size {block} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
         nblocks, body = _body_size(scheme, numel, block)
+    elif scheme in TOPK_BITS:
+        if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+            raise _fail(peer_id, f"block size {block} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+        if wanted is None and max_numel is None:  # a few bytes could claim 2**60 zeros
+            raise _fail(peer_id, f"a {scheme.name} payload where no shape or size limit was expected")
+        k = topk.read_k(buf[head:])
+        if k is None or k > numel:
+            raise _fail(peer_id, f"top-k count {k} missing or above the {numel} elements")
+        body = topk.body_size(numel, k, block, TOPK_BITS[scheme])
     elif block != 0:
         raise _fail(peer_id, f"block size {block} given for non-blockwise scheme {scheme.name}")
     else:
@@ -226,13 +253,19 @@ def decode(
     result = out if out is not None else torch.empty(shape, dtype=dtype)
     if numel == 0:
         return result
+    reason: str | None
+    if scheme in TOPK_BITS:
+        reason = topk.decode_body(_view(buf, torch.uint8, body, head), block, TOPK_BITS[scheme], result.view(-1))
+        if reason is not None:
+            raise _fail(peer_id, reason)
+        return result
     if scheme in BLOCKWISE_BITS:
         bits = BLOCKWISE_BITS[scheme]
         raw_scales = _view(buf, torch.int16, nblocks, head)
         codes = _view(buf, torch.int8, body - 2 * nblocks, head + 2 * nblocks)
         unpacked = codes if bits == 8 else blockwise.unpack(codes.view(torch.uint8), numel, bits)
         if isinstance(unpacked, str):
-            reason: str | None = unpacked
+            reason = unpacked
         else:
             reason = blockwise.dequantize(raw_scales, unpacked, block, result.view(-1), bits)
         if reason is not None:
