@@ -23,13 +23,9 @@ class CodecConfig(Section):
         "blockwise8 need `averaging.codec.error_feedback`. Meant for diloco's pseudo-gradients; state averaging "
         "stays lossless. Peers of one swarm may differ: every peer decodes every scheme.",
     )
-    density: float = Field(
-        default=0.0156, gt=0.0, le=1.0,
-        description="topk: the share of each payload's elements that travel (the largest in magnitude).",
-    )
-    value_bits: Literal[8, 4, 2] = Field(
-        default=2, description="topk: bits of each sent value's code (blockwise scales, as the blockwise schemes).",
-    )
+    density: float = Field(default=0.0156, gt=0.0, le=1.0, description="topk: the share of each payload's "
+                           "elements that travel (the largest in magnitude).")
+    value_bits: Literal[8, 4, 2] = Field(default=2, description="topk: bits of each sent value's code.")
     block_size: int = Field(
         default=128, ge=8, le=65536,
         description="Elements per absmax-scaled block. Each block carries its own bf16 scale (2 bytes; at 128 "
