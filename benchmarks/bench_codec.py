@@ -26,8 +26,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,16 +94,6 @@ def hivemind_roundtrip() -> tuple[Callable[[torch.Tensor], tuple[torch.Tensor, i
     except (RuntimeError, TypeError, ValueError, AttributeError, OSError) as e:  # a broken install
         return None, f"{type(e).__name__}: {e}"
     return roundtrip, ""
-
-
-@contextmanager
-def torch_path() -> Iterator[None]:
-    """Encodes and decodes without the C kernel, as a build without a C compiler does."""
-    kernel, blockwise._blockwise = blockwise._blockwise, None
-    try:
-        yield
-    finally:
-        blockwise._blockwise = kernel
 
 
 class Table:
@@ -223,7 +212,7 @@ def main() -> int:
         None,
         None,
     )
-    with torch_path():  # the same arithmetic as fused torch passes: what runs without the C kernel
+    with blockwise.torch_path():  # the same arithmetic as fused torch passes: what runs without the C kernel
         table.add("  torch path: encode", timings_ms(lambda: encode(x, config), repeats), None, size)
         table.add(
             "  torch path: decode (out=)",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -26,7 +27,7 @@ except ImportError:  # built without a C compiler: the torch path encodes fp32 t
 
 __all__ = [
     "CHUNK_NUMEL", "MAX_SCALE", "MAX_SCALES", "MIN_SCALE", "QMAX", "dequantize", "kernel", "pack", "quantize",
-    "unpack",
+    "torch_path", "unpack",
 ]
 
 
@@ -35,6 +36,18 @@ def kernel() -> str:
     """What encodes fp32 blocks in this process: the C kernel's instruction set (``"avx2"``, ``"sse2"`` or
     ``"scalar"``), or ``"torch"`` in a build without it (several times slower; status shows it)."""
     return _blockwise.isa() if _blockwise is not None else "torch"
+
+
+@contextmanager
+def torch_path() -> Iterator[None]:
+    """Within it, this process encodes as a build without the C kernel does (benchmarks and tests compare the
+    two)."""
+    global _blockwise
+    kernel, _blockwise = _blockwise, None
+    try:
+        yield
+    finally:
+        _blockwise = kernel
 
 
 def _f32_bits(value: float) -> int:

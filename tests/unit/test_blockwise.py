@@ -17,15 +17,6 @@ from peerd.wire.codec import encode
 pytestmark = pytest.mark.timeout(120)
 
 
-@contextmanager
-def torch_path() -> Iterator[None]:
-    kernel, blockwise._blockwise = blockwise._blockwise, None
-    try:
-        yield
-    finally:
-        blockwise._blockwise = kernel
-
-
 def test_the_kernel_is_built_wherever_a_c_compiler_is() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this machine: the package was built without the kernel")
@@ -85,7 +76,7 @@ def test_kernel_encodes_the_same_bytes_as_the_torch_path(block: int, isa: str) -
     for name, x in samples():
         with instruction_set(isa):
             kernel = encode(x, config)
-        with torch_path():
+        with blockwise.torch_path():
             reference = encode(x, config)
         assert kernel == reference, f"{name}: block {block}, {isa}"
 
@@ -97,6 +88,6 @@ def test_kernel_encodes_the_same_bytes_as_the_torch_path(block: int, isa: str) -
 def test_kernel_refuses_non_finite_input_anywhere(bad: float, where: int, isa: str) -> None:
     x = torch.randn((1 << 18) + 7)
     x[where] = bad
-    for path in (torch_path, lambda: instruction_set(isa)):
+    for path in (blockwise.torch_path, lambda: instruction_set(isa)):
         with path(), pytest.raises(ValueError, match="NaN or Inf"):
             encode(x, CodecConfig())
