@@ -24,7 +24,9 @@ exactly ``--inner-steps`` micro-batches per phase and waits for the others) for 
 per peer as ``--steps`` sync steps would use; ``--steps`` must make whole phases. With ``--compare codec`` it
 compares 8-bit + error feedback against fp32 pseudo-gradients (target within 1%); these runs turn overlap
 off, since with overlap the inner step at which an average lands depends on timing and the runs stop being
-repeatable. ``--compare mode`` compares sync mode against diloco with overlap (the default) at equal samples
+repeatable; top-k pseudo-gradients (``averaging.codec.scheme=topk``, 1.56% of each payload's elements at 2
+bits, with error feedback) run beside them, measured against the 8-bit runs (target within 2%, the bytes of a
+round included). ``--compare mode`` compares sync mode against diloco with overlap (the default) at equal samples
 (target within 3%). ``--compare widths`` compares 4- and 2-bit codes and top-k at 1.56% with 2-bit values
 (``averaging.codec.scheme``, with error feedback) against 8-bit, the bytes of a round included (target: within
 2%; use it with ``--mode diloco``).
@@ -55,7 +57,9 @@ MEAN, ROBUST = "mean", "centered_clip"
 # comparison -> {setting: its overrides}; the first setting is the baseline the second is measured against
 COMPARISONS = {
     "codec": {FP32: ["-o", "averaging.codec.lossless=true", "-o", "averaging.aggregation=mean"],
-              EIGHT_BIT: ["-o", "averaging.aggregation=mean"]},
+              EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
+              TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+                      "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
     "aggregation": {MEAN: ["-o", "averaging.aggregation=mean"], ROBUST: ["-o", "averaging.aggregation=centered_clip"]},
     "mode": {"sync": ["-o", "training.mode=sync"], "diloco": ["-o", "training.mode=diloco"]},
     "widths": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
@@ -123,7 +127,6 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=20, help="diloco: micro-batches per peer per phase")
     args = parser.parse_args()
     settings = COMPARISONS[args.compare]
-    base_name = next(iter(settings))
     sync_mode = ["-o", f"training.samples_per_step={args.samples_per_step}"]
     micro_batches = args.steps * args.samples_per_step // MICRO_BATCH
     phases = micro_batches // args.inner_steps
@@ -178,16 +181,20 @@ def main() -> None:
     print(format_table(["averaging", "mean final val loss", "per-run final val loss", "run-to-run spread (rel.)",
                         "max spread across peers", "rounds with all peers", "MiB sent/peer",
                         "KiB sent/peer, last round"], rows))
-    base = statistics.mean(r["val_loss"] for r in runs[base_name])
-    base_spread = relative_spread([r["val_loss"] for r in runs[base_name]])
-    base_kib = statistics.mean(r["round_kib"] for r in runs[base_name])
-    target = {"mode": 3, "widths": 2}.get(args.compare, 1)
     for name in list(settings)[1:]:
+        # top-k is measured against 8-bit wherever both run; the rest against the first setting
+        base_name = EIGHT_BIT if name == TOP_K else next(iter(settings))
+        base = statistics.mean(r["val_loss"] for r in runs[base_name])
+        base_spread = relative_spread([r["val_loss"] for r in runs[base_name]])
+        base_kib = statistics.mean(r["round_kib"] for r in runs[base_name])
+        target = 2 if name == TOP_K else {"mode": 3, "widths": 2}.get(args.compare, 1)
         ours = statistics.mean(r["val_loss"] for r in runs[name])
         kib = statistics.mean(r["round_kib"] for r in runs[name])
         print(f"\n{name} / {base_name} mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "
               f"{base_name} run-to-run spread {base_spread * 100:.3f}% (target: {name} within {target}% of "
-              f"{base_name}); a round sends {base_kib / kib:.2f}x fewer bytes")
+              f"{base_name}); a round sends {base_kib / kib:.2f}x fewer bytes"
+              + (f" ({statistics.mean(r['round_kib'] for r in runs[FP32]) / kib:.1f}x fewer than {FP32})"
+                 if FP32 in runs and base_name != FP32 else ""))
 
 
 if __name__ == "__main__":

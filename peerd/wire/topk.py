@@ -71,10 +71,41 @@ def encode_body(flat: torch.Tensor, positions: torch.Tensor, block: int, bits: i
     scale_view, code_view = body[at : at + scales], body[at + scales : at + scales + codes]
     if bits == 8:
         return blockwise.quantize(values, scale_view, code_view, block)
+    if bits == 2:
+        return _ternary(values, block, scale_view, code_view)
     unpacked = bytearray(k)
     if not blockwise.quantize(values, scale_view, memoryview(unpacked), block, bits):
         return False
     blockwise.pack(torch.frombuffer(unpacked, dtype=torch.int8), code_view, bits)
+    return True
+
+
+def _ternary(values: torch.Tensor, block: int, scales: memoryview, codes: memoryview) -> bool:
+    """Codes each block of ``values`` as -s, 0 or s with the ``s`` and the zeroed elements that leave the least
+    squared error; False if a value is NaN or Inf.
+
+    The 2-bit code's absmax scale suits dense blocks, whose elements are mostly small. The values a top-k payload
+    carries were chosen for being large, and one outlier per block would round the rest to 0 under the absmax
+    scale: their positions sent for nothing. If the ``m`` largest of a block are sent as their mean ``s`` and
+    the others as 0, the squared error is the block's sum of squares less ``(sum of the m largest)^2 / m``; the
+    best ``m`` maximizes that quotient. The same format decodes it: a scale and codes in [-1, 1]."""
+    k = values.numel()
+    if k == 0:
+        return True
+    if not bool(torch.isfinite(values).all()):
+        return False
+    rows = -(-k // block)
+    padded = torch.zeros(rows * block, dtype=torch.float64)
+    padded[:k] = values
+    grid = padded.view(rows, block)
+    magnitudes = grid.abs().sort(dim=1, descending=True).values
+    sums = magnitudes.cumsum(dim=1)
+    best = (sums.square() / torch.arange(1, block + 1, dtype=torch.float64)).argmax(dim=1, keepdim=True)
+    scale = (sums.gather(1, best) / (best + 1)).clamp_(max=blockwise.MAX_SCALES[2]).float()
+    bar = magnitudes.gather(1, best)
+    code = torch.where(grid.abs() >= bar, grid.sign(), 0.0).to(torch.int8).view(-1)[:k]
+    torch.frombuffer(scales, dtype=torch.bfloat16, count=rows).copy_(scale.view(-1))
+    blockwise.pack(code, codes, 2)
     return True
 
 
