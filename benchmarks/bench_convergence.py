@@ -33,7 +33,7 @@ round included). ``--compare mode`` compares sync mode against diloco with overl
 
 Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 2]
      [--samples-per-step 32] [--timing] [--compare codec|aggregation|mode|widths] [--mode sync|diloco]
-     [--inner-steps 20]
+     [--inner-steps 20] [-o KEY=VALUE (any peerd option, every setting, e.g. training.diloco.outer_lr=0.1)]
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def main() -> None:
                         "sync vs diloco at equal samples; widths: 4- and 2-bit vs 8-bit codes")
     parser.add_argument("--mode", choices=["sync", "diloco"], default="sync", help="training.mode of the runs")
     parser.add_argument("--inner-steps", type=int, default=20, help="diloco: micro-batches per peer per phase")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a peerd option for every run of every setting")
     args = parser.parse_args()
     settings = COMPARISONS[args.compare]
     sync_mode = ["-o", f"training.samples_per_step={args.samples_per_step}"]
@@ -158,7 +160,8 @@ def main() -> None:
                 steps = args.steps if name == "sync" else phases
             elif args.mode == "diloco":
                 steps = phases
-            result = run(f"{name.split()[0]}-{repeat}", args.peers, steps, mode, extra)
+            overrides = [arg for option in args.override for arg in ("-o", option)]
+            result = run(f"{name.split()[0]}-{repeat}", args.peers, steps, mode, [*extra, *overrides])
             runs[name].append(result)
             flag = "" if result["deterministic"] or args.timing else (
                 f"  NOT DETERMINISTIC: only {result['full_rounds']} of {steps} rounds averaged every peer "
@@ -177,7 +180,7 @@ def main() -> None:
         ])
     print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"LM task, {args.peers} peers, {args.steps * args.samples_per_step} samples per peer per run ({mode_text}), "
-          f"{args.repeats} runs each")
+          f"{args.repeats} runs each, overrides: {' '.join(args.override) or 'none'}")
     print(format_table(["averaging", "mean final val loss", "per-run final val loss", "run-to-run spread (rel.)",
                         "max spread across peers", "rounds with all peers", "MiB sent/peer",
                         "KiB sent/peer, last round"], rows))
