@@ -98,12 +98,13 @@ def _ternary(values: torch.Tensor, block: int, scales: memoryview, codes: memory
     padded = torch.zeros(rows * block, dtype=torch.float64)
     padded[:k] = values
     grid = padded.view(rows, block)
-    magnitudes = grid.abs().sort(dim=1, descending=True).values
+    absolute = grid.abs()
+    magnitudes = absolute.sort(dim=1, descending=True).values
     sums = magnitudes.cumsum(dim=1)
     best = (sums.square() / torch.arange(1, block + 1, dtype=torch.float64)).argmax(dim=1, keepdim=True)
     scale = (sums.gather(1, best) / (best + 1)).clamp_(max=blockwise.MAX_SCALES[2]).float()
     bar = magnitudes.gather(1, best)
-    code = torch.where(grid.abs() >= bar, grid.sign(), 0.0).to(torch.int8).view(-1)[:k]
+    code = torch.where(absolute >= bar, grid.sign(), 0.0).to(torch.int8).view(-1)[:k]
     torch.frombuffer(scales, dtype=torch.bfloat16, count=rows).copy_(scale.view(-1))
     blockwise.pack(code, codes, 2)
     return True
