@@ -86,6 +86,12 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
             pool, full = ("streams_open", 64) if undefended else ("unproven_streams_open", IDENTITIES * 4)
             wait_for(lambda: victim.status(timeout=30)["membership"][pool] >= full, 60,
                      f"the strangers to hold {full} of the victim's {pool}", 0.2)
+            if undefended:
+                # the count includes any member's stream open at that moment: its slot goes to the strangers'
+                # spare streams once it frees, and the member's refusal says they hold the rest
+                member = swarm.peers[0].peer_id
+                wait_for(lambda: member in victim.status(timeout=30)["membership"]["refused_peers"], 60,
+                         "the victim to refuse a member's stream", 0.2)
             refused_before = dict(victim.status(timeout=30)["membership"]["streams_refused"])
             attacked = time_rounds(victim, ROUNDS, 3 * baseline + 30)
             # an attacker that died mid-attack would make the undefended run look defended
