@@ -87,9 +87,9 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
             for ahead in range(HAUNT_AHEAD):
                 key = f"{progress_key.removesuffix('.progress')}.{fingerprint}.grad.{step + ahead}"
                 # pairs: registered again every HAUNT_REFRESH seconds until it decides, since a time set when the
-                # round was steps ahead may be too early for its registrants to believe once they get there
-                if key in refreshed and (not pairs or key in decided
-                                         or node.now() - refreshed[key] < HAUNT_REFRESH):
+                # round was steps ahead may be too early for its registrants to believe once they get there; a
+                # registration stored after its decision would replace it, and it would lead as a silent leader
+                if key in decided or key in refreshed and (not pairs or node.now() - refreshed[key] < HAUNT_REFRESH):
                     continue
                 first = key not in refreshed
                 refreshed[key] = node.now()
@@ -106,6 +106,8 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
         if "groups" in payload:  # it never decides
             return True
         if "t" in payload:
+            if key in decided:  # its own matchmaking registers late: the decision it published stands
+                return True
             payload = {**payload, "t": when(payload["t"])}
             if pairs and key not in times:
                 times[key] = payload["t"]

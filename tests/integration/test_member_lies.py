@@ -110,8 +110,9 @@ def test_a_leader_cannot_pair_every_peer_with_itself(tmp_path: Path) -> None:
     # (its decision came after that trainer's deadline) never reads its decisions again
     assert any(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
     undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks")
-    # each such round costs a round timeout and leaves the honest trainers unaveraged with each other
-    assert all(r["with_liar"] >= STEPS // 3 for r in undefended), undefended
+    # each such round costs a round timeout and leaves the honest trainers unaveraged with each other: in a pair
+    # with the liar, or alone once a pair failed (which rounds go which way depends on who times out first)
+    assert all(r["with_liar"] + r["rounds_solo"] >= STEPS // 3 for r in undefended), undefended
 
 
 # --- subkeys ------------------------------------------------------------------------------------------------------
