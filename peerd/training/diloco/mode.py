@@ -1,10 +1,10 @@
 """diloco's mode: inner steps alone, then phase ends and outer rounds, at most one round in flight.
 
 Ending a phase takes its pseudo-gradient and moves the phase counter on at once. The round (matchmaking,
-the 8-bit all-reduce of the pseudo-gradients, the outer step and its fold) then runs in the background while
-the next phase computes (``training.diloco.overlap``), or before it (overlap off). A phase that ends while the
-previous round is still in flight waits for it first; a round is bounded by the matchmaking and round
-timeouts, so a dead peer holds nobody for longer.
+the all-reduce of the pseudo-gradients, the outer step) then runs in the background while the next phase
+computes (``training.diloco.overlap``), which pauses only for the outer step's fold into the model; or
+before it (overlap off). A phase that ends while the previous round is still in flight waits for it first; a
+round is bounded by the matchmaking and round timeouts, so a dead peer holds nobody for longer.
 
 A training state holds the shared parameters and outer momentum besides the model and the inner optimizer. A
 joiner loads the shared parameters and outer momentum the group agreed on after a round and starts the phase
@@ -107,8 +107,13 @@ class DilocoMode(Mode):
             f"{h.prefix}.outer.{phase}", pseudo, weight, expected, residual=h.local.residual,
             average_residual=h.local.average_residual, out=self.outer.averaged,
             window=h.config.diloco.matchmaking_window, what=f"Phase {phase}")
-        async with h.step_lock:
-            refused = await threads.run(self.outer.step, averaged)
+        # the outer step off the lock, beside the next phase's inner steps; only its fold into the model stops them
+        update = await threads.run(self.outer.prepare, averaged)
+        refused = update if isinstance(update, str) else None
+        if not isinstance(update, str):
+            async with h.step_lock:
+                if not await threads.run(self.outer.commit, update):  # a state loaded meanwhile: step from it
+                    refused = await threads.run(self.outer.step, averaged)
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1
