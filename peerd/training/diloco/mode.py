@@ -109,11 +109,13 @@ class DilocoMode(Mode):
             window=h.config.diloco.matchmaking_window, what=f"Phase {phase}")
         # the outer step off the lock, beside the next phase's inner steps; only its fold into the model stops them
         update = await threads.run(self.outer.prepare, averaged)
-        refused = update if isinstance(update, str) else None
-        if not isinstance(update, str):
+        if isinstance(update, str):
+            refused: str | None = update
+        else:
             async with h.step_lock:
-                if not await threads.run(self.outer.commit, update):  # a state loaded meanwhile: step from it
-                    refused = await threads.run(self.outer.step, averaged)
+                committed = await threads.run(self.outer.commit, update)
+                # a state loaded meanwhile made the update stale: step from that state instead
+                refused = None if committed else await threads.run(self.outer.step, averaged)
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1
