@@ -11,6 +11,8 @@ Everything is measured in one process on the same fp32 tensor (standard normal),
   dynamic 8-bit codebook). hivemind 1.1.12's ``extract`` calls ``int()`` on a 1-element numpy array, which
   numpy >= 2.4 rejects; :func:`_hivemind_extract` is the same code with ``[0]`` indexing, nothing else
   changed;
+* torch path = the same encode and decode without the C kernel (fused torch passes, what a build without a C
+  compiler runs; peerd.wire.blockwise);
 * memcpy = ``dst.copy_(src)`` into a preallocated tensor: no codec can beat reading and writing the data once.
 
 Then a block-size sweep of the peerd codec (bf16 scales), which is what the default block size rests on.
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 
 from peerd.config import CodecConfig
+from peerd.wire import blockwise
 from peerd.wire.codec import decode, encode
 
 PEER = "bench"
@@ -105,6 +108,11 @@ class Table:
         self, name: str, ms: tuple[float, float] | None, err: float | None, size: int | None, note: str = ""
     ) -> None:
         self.rows.append((name, ms, err, size, note))
+
+    def ratio(self, name: str, prefix: str) -> float:
+        """Median time of the row ``name`` over that of the first row starting with ``prefix``."""
+        times = {row[0]: row[1][0] for row in self.rows if row[1] is not None}
+        return times[name] / next(ms for row, ms in times.items() if row.startswith(prefix))
 
     def print(self) -> None:
         gb = self.numel * 4 / 1e9
@@ -204,9 +212,29 @@ def main() -> int:
         None,
         None,
     )
+    with blockwise.torch_path():  # the same arithmetic as fused torch passes: what runs without the C kernel
+        table.add("  torch path: encode", timings_ms(lambda: encode(x, config), repeats), None, size)
+        table.add(
+            "  torch path: decode (out=)",
+            timings_ms(lambda: decode(payload, peer_id=PEER, out=out), repeats),
+            None,
+            None,
+        )
+    sparse = CodecConfig(block_size=args.block_size, scheme="topk", density=0.0156, value_bits=2)
+    sparse_payload = encode(x, sparse)
+    sparse_error = rel_l2(x, decode(sparse_payload, peer_id=PEER, expected_shape=x.shape))
+    table.add("  top-k 1.56%, 2-bit: encode", timings_ms(lambda: encode(x, sparse), repeats), sparse_error,
+              len(sparse_payload))
+    table.add(
+        "  top-k 1.56%, 2-bit: decode (out=)",
+        timings_ms(lambda: decode(sparse_payload, peer_id=PEER, out=out), repeats),
+        None,
+        None,
+    )
     table.add("memcpy dst.copy_(src) (floor)", timings_ms(lambda: dst.copy_(x), repeats), 0.0, numel * 4)
     table.add("fresh alloc + copy: x.clone()", timings_ms(lambda: x.clone(), repeats), 0.0, numel * 4)
     table.print()
+    print(f"encode (kernel: {blockwise.kernel()}) / memcpy = {table.ratio('  peerd encode', 'memcpy'):.2f}")
     print(
         "rel L2 err on heavy-tailed data (Student-t, 3 dof): "
         + ", ".join(f"{name} {err:.3e}" for name, err in heavy_errors.items())

@@ -24,12 +24,16 @@ exactly ``--inner-steps`` micro-batches per phase and waits for the others) for 
 per peer as ``--steps`` sync steps would use; ``--steps`` must make whole phases. With ``--compare codec`` it
 compares 8-bit + error feedback against fp32 pseudo-gradients (target within 1%); these runs turn overlap
 off, since with overlap the inner step at which an average lands depends on timing and the runs stop being
-repeatable. ``--compare mode`` compares sync mode against diloco with overlap (the default) at equal samples
-(target within 3%).
+repeatable; top-k pseudo-gradients (``averaging.codec.scheme=topk``, 1.56% of each payload's elements at 2
+bits, with error feedback) run beside them, measured against the 8-bit runs (target within 2%, the bytes of a
+round included). ``--compare mode`` compares sync mode against diloco with overlap (the default) at equal samples
+(target within 3%). ``--compare widths`` compares 4- and 2-bit codes and top-k at 1.56% with 2-bit values
+(``averaging.codec.scheme``, with error feedback) against 8-bit, the bytes of a round included (target: within
+2%; use it with ``--mode diloco``).
 
 Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 2]
-     [--samples-per-step 32] [--timing] [--compare codec|aggregation|mode] [--mode sync|diloco]
-     [--inner-steps 20]
+     [--samples-per-step 32] [--timing] [--compare codec|aggregation|mode|widths] [--mode sync|diloco]
+     [--inner-steps 20] [-o KEY=VALUE (any peerd option, every setting, e.g. training.diloco.outer_lr=0.1)]
 """
 
 from __future__ import annotations
@@ -47,13 +51,22 @@ from peerd.tables import format_table
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lm.yaml"
 FP32, EIGHT_BIT = "fp32 (lossless)", "8-bit + error feedback"
+FOUR_BIT, TWO_BIT = "4-bit + error feedback", "2-bit + error feedback"
+TOP_K = "top-k 1.56%, 2-bit values + error feedback"
 MEAN, ROBUST = "mean", "centered_clip"
 # comparison -> {setting: its overrides}; the first setting is the baseline the second is measured against
 COMPARISONS = {
     "codec": {FP32: ["-o", "averaging.codec.lossless=true", "-o", "averaging.aggregation=mean"],
-              EIGHT_BIT: ["-o", "averaging.aggregation=mean"]},
+              EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
+              TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+                      "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
     "aggregation": {MEAN: ["-o", "averaging.aggregation=mean"], ROBUST: ["-o", "averaging.aggregation=centered_clip"]},
     "mode": {"sync": ["-o", "training.mode=sync"], "diloco": ["-o", "training.mode=diloco"]},
+    "widths": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
+               FOUR_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise4"],
+               TWO_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise2"],
+               TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+                       "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
 }
 MICRO_BATCH = 16  # configs/lm.yaml's task uses the lm task's default batch_size
 
@@ -86,6 +99,8 @@ def run(label: str, peers: int, steps: int, mode: list[str], extra: list[str]) -
         "full_rounds": full,  # rounds that averaged every peer, on the peer with the fewest
         "deterministic": full == steps and all(r["rounds_solo"] == 0 and r["state_syncs"] == 0 for r in reports),
         "mib_sent": sum(r["bytes_sent"] for r in reports) / len(reports) / 2**20,
+        # the last gradient or pseudo-gradient round: what one round moves, without state averaging
+        "round_kib": sum(r["last_round"]["bytes_sent"] for r in reports) / len(reports) / 2**10,
         "steps": steps,
         "seconds": time.monotonic() - started,
         "log_dir": str(swarm.log_dir),
@@ -107,12 +122,13 @@ def main() -> None:
                         help="peerd's default mode instead of lockstep: shares depend on timing")
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="codec",
                         help="codec: 8-bit vs fp32 averaging; aggregation: centered_clip vs mean (8-bit); mode: "
-                        "sync vs diloco at equal samples")
+                        "sync vs diloco at equal samples; widths: 4- and 2-bit vs 8-bit codes")
     parser.add_argument("--mode", choices=["sync", "diloco"], default="sync", help="training.mode of the runs")
     parser.add_argument("--inner-steps", type=int, default=20, help="diloco: micro-batches per peer per phase")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a peerd option for every run of every setting")
     args = parser.parse_args()
     settings = COMPARISONS[args.compare]
-    base_name, our_name = settings
     sync_mode = ["-o", f"training.samples_per_step={args.samples_per_step}"]
     micro_batches = args.steps * args.samples_per_step // MICRO_BATCH
     phases = micro_batches // args.inner_steps
@@ -144,7 +160,8 @@ def main() -> None:
                 steps = args.steps if name == "sync" else phases
             elif args.mode == "diloco":
                 steps = phases
-            result = run(f"{name.split()[0]}-{repeat}", args.peers, steps, mode, extra)
+            overrides = [arg for option in args.override for arg in ("-o", option)]
+            result = run(f"{name.split()[0]}-{repeat}", args.peers, steps, mode, [*extra, *overrides])
             runs[name].append(result)
             flag = "" if result["deterministic"] or args.timing else (
                 f"  NOT DETERMINISTIC: only {result['full_rounds']} of {steps} rounds averaged every peer "
@@ -159,18 +176,28 @@ def main() -> None:
             f"{relative_spread(losses):.1e}", f"{max(r['val_spread'] for r in results):.1e}",
             f"{min(r['full_rounds'] for r in results)}/{results[0]['steps']}",
             f"{statistics.mean(r['mib_sent'] for r in results):.1f}",
+            f"{statistics.mean(r['round_kib'] for r in results):.1f}",
         ])
     print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"LM task, {args.peers} peers, {args.steps * args.samples_per_step} samples per peer per run ({mode_text}), "
-          f"{args.repeats} runs each")
+          f"{args.repeats} runs each, overrides: {' '.join(args.override) or 'none'}")
     print(format_table(["averaging", "mean final val loss", "per-run final val loss", "run-to-run spread (rel.)",
-                        "max spread across peers", "rounds with all peers", "MiB sent/peer"], rows))
-    base = statistics.mean(r["val_loss"] for r in runs[base_name])
-    ours = statistics.mean(r["val_loss"] for r in runs[our_name])
-    base_spread = relative_spread([r["val_loss"] for r in runs[base_name]])
-    print(f"\n{our_name} / {base_name} mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "
-          f"{base_name} run-to-run spread {base_spread * 100:.3f}% (target: {our_name} within "
-          f"{3 if args.compare == 'mode' else 1}% of {base_name})")
+                        "max spread across peers", "rounds with all peers", "MiB sent/peer",
+                        "KiB sent/peer, last round"], rows))
+    for name in list(settings)[1:]:
+        # top-k is measured against 8-bit wherever both run; the rest against the first setting
+        base_name = EIGHT_BIT if name == TOP_K else next(iter(settings))
+        base = statistics.mean(r["val_loss"] for r in runs[base_name])
+        base_spread = relative_spread([r["val_loss"] for r in runs[base_name]])
+        base_kib = statistics.mean(r["round_kib"] for r in runs[base_name])
+        target = 2 if name == TOP_K else {"mode": 3, "widths": 2}.get(args.compare, 1)
+        ours = statistics.mean(r["val_loss"] for r in runs[name])
+        kib = statistics.mean(r["round_kib"] for r in runs[name])
+        print(f"\n{name} / {base_name} mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "
+              f"{base_name} run-to-run spread {base_spread * 100:.3f}% (target: {name} within {target}% of "
+              f"{base_name}); a round sends {base_kib / kib:.2f}x fewer bytes"
+              + (f" ({statistics.mean(r['round_kib'] for r in runs[FP32]) / kib:.1f}x fewer than {FP32})"
+                 if FP32 in runs and base_name != FP32 else ""))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ loop on the same model, data and batches, in the same run; and 3 diloco peers ag
    its last (the report's ``wall_seconds``). The plain loop is a separate process: the same model built from the
    same config and seed, AdamW, and the very batches of the peer's shard, tokenized before the clock starts (so
    the loop pays nothing for its data: the comparison is strict against peerd). Both use ``--threads`` torch
-   threads. Target: the peer within 5% of the loop. Peak RSS (the kernel's high-water mark) of the peer's daemon
-   process against the loop's process; the peer's p2pd and DHT child are listed apart.
+   threads and flush subnormal floats to zero (peerd/threads.py). Target: the peer within 5% of the loop. Peak
+   RSS (the kernel's high-water mark) of the peer's daemon process against the loop's process; the peer's p2pd
+   and DHT child are listed apart.
 2. **Sharing the cores.** 3 peers in diloco mode on loopback train together for ``--batches`` micro-batches
    each; their tokens per second summed, against the lone peer's. Target: at least 90% (the cores are the
    limit; averaging must not take from them).
@@ -53,6 +54,7 @@ def plain_loop(batches: int, threads: int) -> dict[str, float]:
     from peerd.tasks import build_task, derive_seed, seeded_module
 
     torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # as peerd's compute thread does (peerd/threads.py)
     task_config = load_config(CONFIG).training.task
     task = build_task(task_config, 0)  # for its data only: the model below is built the plain way
     stream = task.train_batches()
@@ -96,7 +98,7 @@ def peer_args(batches_per_step: int, steps: int, mode: str) -> list[str]:
             "-o", "training.optimizer=adamw"]
     if mode == "diloco":
         return [*args, "-o", "training.mode=diloco", "-o", f"training.diloco.inner_steps={batches_per_step}"]
-    return [*args, "-o", f"training.target_batch_size={8 * batches_per_step}"]
+    return [*args, "-o", "training.mode=sync", "-o", f"training.target_batch_size={8 * batches_per_step}"]
 
 
 def tokens_per_second(peer: PeerProcess, seq_len: int) -> float:

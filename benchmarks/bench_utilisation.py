@@ -10,6 +10,8 @@ benchmarks/netns.py behind a full-duplex ``--rate`` Mbit/s port (tbf both ways),
                      pseudo-gradient is averaged
   diloco-overlap     training.mode=diloco, training.diloco.overlap=true: the average travels while the next
                      phase computes
+  diloco-*-topk      either diloco row with top-k pseudo-gradients (averaging.codec.scheme=topk; the others
+                     send 8-bit ones)
 
 Equal samples. Every row computes exactly ``--samples`` sequences on every peer, in lockstep: in sync mode
 ``training.samples_per_step`` = ``--sync-micro-batches`` x batch_size (each peer adds exactly that to every
@@ -110,6 +112,8 @@ MODES = {
     "diloco-nooverlap": ["-o", "training.mode=diloco", "-o", "training.diloco.overlap=false"],
     "diloco-overlap": ["-o", "training.mode=diloco", "-o", "training.diloco.overlap=true"],
 }
+# the same with top-k pseudo-gradients (averaging.codec.scheme=topk at its default density and value width)
+MODES.update({f"{mode}-topk": [*MODES[mode], "-o", "averaging.codec.scheme=topk"] for mode in list(MODES)[1:]})
 PORT = 31337
 
 

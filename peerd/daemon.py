@@ -210,6 +210,11 @@ def run_daemon(config: PeerdConfig, ready_stream: TextIO = sys.stdout) -> int:
     """Runs a daemon on a fresh uvloop loop until SIGINT/SIGTERM; returns the process exit code."""
     import uvloop
 
+    if config.training.enabled:  # before anything runs torch: the model's ops get the cores (peerd/threads.py)
+        from peerd import threads
+
+        threads.configure()
+
     async def main() -> int:
         daemon = Daemon(config)
         loop = asyncio.get_running_loop()

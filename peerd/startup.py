@@ -82,6 +82,7 @@ async def start_expert_server(config: PeerdConfig, swarm: SwarmNode, guard: Stre
 async def start_trainer(config: PeerdConfig, swarm: SwarmNode, guard: StreamGuard, experts: ExpertServer | None,
                         stops: StopStack) -> tuple[CollaborativeTrainer, ExpertClient]:
     """Builds the task of this peer's data shard and starts its trainer (the training loop is the daemon's)."""
+    from peerd import threads
     from peerd.experts import ExpertClient
     from peerd.tasks import TaskRuntime, build_task, shard_for_peer
     from peerd.training.trainer import CollaborativeTrainer
@@ -93,7 +94,7 @@ async def start_trainer(config: PeerdConfig, swarm: SwarmNode, guard: StreamGuar
     stops.push("expert client", client.close)
     if experts is not None:  # this peer serves experts too: its model calls them in-process
         client.attach_local(experts)
-    task = await asyncio.to_thread(build_task, task_config, shard, TaskRuntime(experts=client))
+    task = await threads.run(build_task, task_config, shard, TaskRuntime(experts=client))
     logger.info("Task %s (fingerprint %s), data shard %d of %d", task_config.name, task.fingerprint, shard,
                 task_config.num_shards)
     trainer = CollaborativeTrainer(config.training, config.averaging, task, swarm, guard, config.run_name,

@@ -43,9 +43,10 @@ def ready_peer(name: str, args: Sequence[str], log_dir: Path, timeout: float = 6
         peer.kill()
 
 
-def training(peer: PeerProcess) -> dict[str, Any]:
-    """The ``training`` section of the peer's status (None on a peer that does not train)."""
-    section: dict[str, Any] = peer.status()["training"]
+def training(peer: PeerProcess, timeout: float = 30.0) -> dict[str, Any]:
+    """The ``training`` section of the peer's status (None on a peer that does not train); a loaded machine
+    may take seconds to answer."""
+    section: dict[str, Any] = peer.status(timeout=timeout)["training"]
     return section
 
 
@@ -194,6 +195,17 @@ def calls_to(trainer: PeerProcess, uid: str) -> int:
 SYNTHETIC = REPO / "configs" / "synthetic.yaml"
 SHARE = 64
 LR = 0.2
+
+
+def validated_or_diverged(peers: Sequence[PeerProcess], steps: int) -> list[dict[str, Any]] | None:
+    """The peers' training reports once each validated at ``steps``, or once one's model overflowed (it computes
+    no finite gradient again, so the others would wait forever); None until then."""
+    reports = [training(p) for p in peers]
+    if all((r["validation_step"] or 0) >= steps for r in reports):
+        return reports
+    if any(validation_loss(r) == math.inf for r in reports):
+        return reports
+    return None
 
 
 def validation_loss(report: dict[str, Any]) -> float | None:

@@ -19,7 +19,8 @@ rank order, so its result does not depend on arrival order. Two defences act tog
 Two degenerate cases would hand the result to one side, so robust rules treat them first:
 
 - Identical rows. Members' gradients from different data never coincide exactly; identical rows are copies
-  (sybils of one attacker). Half a group's rows identical make CenteredClip's radius 0 (the median distance
+  (sybils of one attacker). Not so in state averaging, whose honest members hold bit-identical parameters:
+  there (``agreeing``) identical rows are members that agree, and a majority of them is the result. Half a group's rows identical make CenteredClip's radius 0 (the median distance
   from them), and their row wins outright. Each set of identical rows counts as one member, with one weight:
   the copies are reported as left out (kept 0).
 - Fewer than 3 distinct rows (a group of 2): there is no majority to trust. Each row is scaled down to the
@@ -221,15 +222,17 @@ def distinct(rows: torch.Tensor, gram: torch.Tensor) -> list[int]:
 
 def combine(
     rule: str, rows: torch.Tensor, claims: list[float], out: torch.Tensor, max_weight_ratio: float,
-    clip_radius: float, clip_iterations: int,
+    clip_radius: float, clip_iterations: int, agreeing: bool = False,
 ) -> Combined:
-    """Applies ``rule`` ('mean', 'centered_clip' or 'trimmed_mean') to ``rows`` with capped ``claims``."""
+    """Applies ``rule`` ('mean', 'centered_clip' or 'trimmed_mean') to ``rows`` with capped ``claims``.
+    ``agreeing``: honest members send identical rows (the parameters of one state), so identical rows are each
+    a member, not copies, and an honest majority's common row is the result."""
     if rule == "mean":
         return weighted_mean(rows, cap_weights(claims, max_weight_ratio), out)
     if rule not in ("centered_clip", "trimmed_mean"):
         raise ValueError(f"unknown aggregation rule {rule!r}")
     gram = (rows @ rows.t()).double()
-    first = distinct(rows, gram)
+    first = list(range(rows.shape[0])) if agreeing else distinct(rows, gram)
     kept = [i for i, f in enumerate(first) if f == i]
     if len(kept) == rows.shape[0]:
         return _robust(rule, rows, cap_weights(claims, max_weight_ratio), out, gram, clip_radius, clip_iterations)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from peerd.averaging.evidence import EvidenceDesk
-from peerd.averaging.group import Group, RoundReport
+from peerd.averaging.group import Group, RoundReport, is_state_round
 from peerd.averaging.layout import chunk_bounds, split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
@@ -38,6 +38,7 @@ from peerd.averaging.sender import SpanExchange
 from peerd.averaging.serving import SenderStream
 from peerd.averaging.verify.bans import BanList
 from peerd.averaging.verify.keys import Identity, KeyBook, SigningKey
+from peerd.averaging.verify.payloads import checks_averages
 from peerd.averaging.verify.proofs import Evidence
 from peerd.averaging.verify.record import SpanRecord
 from peerd.averaging.verify.round import RoundVerification
@@ -74,6 +75,10 @@ class AllReducer:
         self._sent: dict[int, torch.Tensor] = {}  # by numel: what members decode of our contributions
 
     async def start(self) -> None:
+        if not checks_averages(self.config.codec):
+            logger.warning("averaging.codec.scheme %s: reducers' averages coded that way carry error feedback no "
+                           "member can bound, so this peer applies them unchecked (a lying reducer is not caught "
+                           "in these rounds; docs/security.md, verified reductions)", self.config.codec.scheme)
         await self.guard.add_handler(HANDLER_NAME, self._handle_stream)
         await self.evidence.start()
 
@@ -101,8 +106,9 @@ class AllReducer:
         averages this peer codes as a reducer, the second quantization every element goes through.
         ``out`` (same shape, not overlapping ``flat``) receives the average and is returned; a caller that
         averages every step passes the same buffer each time, since a fresh model-sized tensor costs a page
-        fault per 4 KiB on every round.
-        Raises GroupFailed only if this peer is not a member.
+        fault per 4 KiB on every round. In a state round (``is_state_round``) honest members send
+        identical rows (one state's parameters), so a robust rule counts identical rows as members, not as one
+        sybil's copies. Raises GroupFailed only if this peer is not a member.
         """
         codec_config = codec_config or self.config.codec
         if self.peer_id not in group.members:
@@ -138,6 +144,7 @@ class AllReducer:
             group, rank, flat[start:end], weight, self.config, codec_config, self.peer_id, result[start:end],
             record, average_residual[start:end] if average_residual is not None else None,
             residual[start:end] if residual is not None else None,
+            is_state_round(group.round_id),
         )
         async with self._round_registered:
             self._reducers[group.round_id] = reducer

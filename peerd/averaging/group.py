@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STATE_KIND = "state"  # the kind of a round key ('<prefix>.<kind>.<step>') that averages one state
+
+
+def round_key(prefix: str, kind: str, step: int) -> str:
+    """The matchmaking key of round ``step`` of ``kind`` ('grad', 'outer', STATE_KIND) in swarm ``prefix``."""
+    return f"{prefix}.{kind}.{step}"
+
+
+def is_state_round(round_id: str) -> bool:
+    """Whether round ``round_id`` ('<key>/<digest>') averages one state: there honest members send identical
+    rows, so identical rows are members that agree, not one sybil's copies. Every member, and a third party
+    judging a dispute, reads it from the id all of them sign, so no one's word decides it."""
+    parts = round_id.rsplit("/", 1)[0].rsplit(".", 2)
+    return len(parts) == 3 and parts[1] == STATE_KIND and parts[2].isdigit()
+
 
 @dataclass(frozen=True)
 class Group:

@@ -27,7 +27,7 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.requests import SpanView
 from peerd.averaging.robust import RobustChunks, rule_label
-from peerd.averaging.verify.payloads import clamp_residual, envelope
+from peerd.averaging.verify.payloads import checks_averages, clamp_residual, envelope
 from peerd.averaging.verify.record import SpanRecord
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
@@ -53,12 +53,14 @@ class SpanReducer:
         record: SpanRecord,
         residual: torch.Tensor | None = None,
         own_residual: torch.Tensor | None = None,
+        agreeing: bool = False,
     ) -> None:
         """``out`` receives the coded average of the span (the caller's slice of its result); ``record`` keeps
         what the span's statement and challenges need (this peer's own row is coded into ``record.own_row``);
         ``residual``, if given, carries what coding the average dropped into this peer's next average of the
         same elements; ``own_residual``, if given, is added to ``own`` before it is coded, and receives what
-        coding drops of it, as a sender's residual does."""
+        coding drops of it, as a sender's residual does. ``agreeing``: the members' rows are meant to be
+        identical (aggregation.combine)."""
         self.residual, self.own_residual = residual, own_residual
         self.record = record
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
@@ -88,7 +90,7 @@ class SpanReducer:
         self.rule = rule_label(config, len(group.members))
         self.robust: RobustChunks | None = None
         if config.aggregation != "mean":
-            self.robust = RobustChunks(group, rank, min(self.numel, config.chunk_numel), config)
+            self.robust = RobustChunks(group, rank, min(self.numel, config.chunk_numel), config, agreeing)
             self.robust.claims[peer_id] = weight
         for index in range(len(self.chunks)):
             self._maybe_finalize(index)
@@ -154,11 +156,11 @@ class SpanReducer:
             members = [m for m in self.group.members if m in included]
             claims = [self.claims[m] for m in members]
             self.record.combined(index, members, [c / sum(claims) for c in claims])
-        # Code the average plus what coding dropped from our last one (kept within half a step of this average,
-        # see verify/payloads.py), and use the decoded average ourselves too, so every member applies
-        # bit-identical values.
+        # Code the average plus what coding dropped from our last one (kept within half a step of this average
+        # where members check the average against a bound, see verify/payloads.py; the narrower codes need all
+        # of it), and use the decoded average ourselves too, so every member applies bit-identical values.
         residual = self.residual[start:end] if self.residual is not None else None
-        if residual is not None:
+        if residual is not None and checks_averages(self.codec_config):
             int8 = not self.codec_config.lossless and end - start >= max(self.codec_config.min_compress_numel, 1)
             clamp_residual(average, residual, self.codec_config.block_size, int8)
         payload, _ = encode_with_feedback(

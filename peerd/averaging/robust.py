@@ -39,6 +39,7 @@ class RobustChunks:
     rank: int  # the reducer's
     chunk_numel: int
     config: AveragingConfig
+    agreeing: bool = False  # identical rows are members that agree, not copies (aggregation.combine)
 
     def __post_init__(self) -> None:
         self.rows: dict[int, torch.Tensor] = {}
@@ -64,7 +65,7 @@ class RobustChunks:
         selected = rows[:, :numel] if len(ranks) == rows.shape[0] else rows[ranks, :numel]
         claims = [self.claims[m] for m in members]
         result = combine(self.config.aggregation, selected, claims, out, self.config.max_weight_ratio,
-                         self.config.clip_radius, self.config.clip_iterations)
+                         self.config.clip_radius, self.config.clip_iterations, self.agreeing)
         self.spare.append(rows)
         if numel:  # an empty span's chunk capped weights but combined nothing: not worth a report
             self._note(index, members, claims, result)

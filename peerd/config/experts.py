@@ -50,6 +50,15 @@ class ExpertsConfig(Section):
     max_queued_tokens: int = Field(
         default=65536, ge=1, description="Most tokens waiting per expert; further calls get EXPERT_OVERLOADED."
     )
+    max_queued_tokens_per_caller: int | None = Field(
+        default=None, ge=1, description="Most tokens one caller may have waiting per expert; its further calls get "
+        "EXPERT_OVERLOADED while the rest of the queue stays open to other callers (null: a quarter of "
+        "max_queued_tokens, and at least max_request_tokens).")
+    max_caller_gradient_ratio: float | None = Field(
+        default=2.0, ge=1, allow_inf_nan=False,
+        description="A backward call's output gradients, per token, are scaled down to at most this many times the "
+        "typical caller's (the lower median over recent callers of each one's recent calls), so that no caller "
+        "steers an expert's update alone (null: no bound).")
     batch_wait: float = Field(
         default=0.0, ge=0, le=1.0,
         description="Seconds a batch waits for more concurrent calls to the same expert before computing "
@@ -83,7 +92,18 @@ class ExpertsConfig(Section):
                              "or give them shorter uids")
         if self.max_request_tokens > self.max_queued_tokens:
             raise ValueError("experts.max_request_tokens exceeds experts.max_queued_tokens: lower it")
+        per_caller = self.max_queued_tokens_per_caller
+        if per_caller is not None and not self.max_request_tokens <= per_caller <= self.max_queued_tokens:
+            raise ValueError(f"experts.max_queued_tokens_per_caller ({self.max_queued_tokens_per_caller}) must lie "
+                             f"between experts.max_request_tokens ({self.max_request_tokens}) and "
+                             f"experts.max_queued_tokens ({self.max_queued_tokens}): set it in that range")
         return self
+
+    @property
+    def queued_tokens_per_caller(self) -> int:
+        if self.max_queued_tokens_per_caller is not None:
+            return self.max_queued_tokens_per_caller
+        return max(self.max_request_tokens, self.max_queued_tokens // 4)
 
     @property
     def served_uids(self) -> list[str]:

@@ -15,6 +15,18 @@ from peerd.config.verification import VerificationConfig
 class CodecConfig(Section):
     """The 8-bit blockwise quantization codec used for averaging payloads."""
 
+    scheme: Literal["blockwise8", "blockwise4", "blockwise2", "topk"] = Field(
+        default="blockwise8",
+        description="How averaged values are coded: every element at 8, 4 or 2 bits plus one bf16 scale per "
+        "block (2 bits: -1, 0 or 1 times the block's largest value), or `topk`: only the `density` share of "
+        "each payload's largest elements, their positions and their values at `value_bits`. Narrower codes move "
+        "fewer bytes and lose more per round; error feedback carries the loss into the next round, so all but "
+        "blockwise8 need `averaging.codec.error_feedback`. Meant for diloco's pseudo-gradients; state averaging "
+        "stays lossless. Peers of one swarm may differ: every peer decodes every scheme.",
+    )
+    density: float = Field(default=0.0156, gt=0.0, le=1.0, description="topk: the share of each payload's "
+                           "elements that travel (the largest in magnitude).")
+    value_bits: Literal[8, 4, 2] = Field(default=2, description="topk: bits of each sent value's code.")
     block_size: int = Field(
         default=128, ge=8, le=65536,
         description="Elements per absmax-scaled block. Each block carries its own bf16 scale (2 bytes; at 128 "
@@ -99,6 +111,11 @@ class AveragingConfig(Section):
             )
         if self.join_timeout >= self.round_timeout:
             raise ValueError("averaging.join_timeout must be below averaging.round_timeout: lower join_timeout")
+        if self.codec.scheme != "blockwise8" and not self.codec.error_feedback and not self.codec.lossless:
+            raise ValueError(
+                f"averaging.codec.scheme {self.codec.scheme} needs averaging.codec.error_feedback: without it, "
+                "what narrow codes drop is lost every round: set error_feedback to true or use blockwise8"
+            )
         if self.max_matchmaking_window < self.matchmaking_window:
             raise ValueError(
                 f"averaging.max_matchmaking_window ({self.max_matchmaking_window}) is below "

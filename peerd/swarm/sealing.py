@@ -9,7 +9,7 @@ Each value gets a fresh 16-byte salt and 12-byte nonce. The salt picks a one-off
 salt under the master key (HKDF of the secret): with a random 96-bit nonce alone, NIST's bound of 2^32
 messages per key would be reached by a 64-peer swarm in about half a year of records. The DHT key and
 subkey are the associated data, so a sealed payload moved to another key or subkey does not open.
-An allowlist without a secret has no key to seal with: payloads stay readable (``docs/threat-model-strangers.md``).
+An allowlist without a secret has no key to seal with: payloads stay readable (``docs/security.md``, the threat model).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from peerd import threads
 from peerd.config import TrainingConfig
 from peerd.errors import StateError
 from peerd.training.distrust import Distrust
@@ -154,7 +155,7 @@ class Joining:
         await t.mode.settled()  # a round in flight belongs to a phase the loaded state already contains
         t.mode.cancel()
         async with t.step_lock:
-            await asyncio.to_thread(t.mode.load_agreed, flat)
+            await threads.run(t.mode.load_agreed, flat)
             t.step, t.samples, t.report.inner_steps = state.step, 0, 0
             t.local.drop_gradients()
             t.local.forget_residuals()

@@ -4,16 +4,30 @@ timing: the trainer decides when each of these runs (all of them in worker threa
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from peerd.config import TrainingConfig
 from peerd.errors import ConfigError
 from peerd.tasks import Batch, Task, to_device
 from peerd.training.device import autocast, flat_views, host_buffer, resolve_device
+from peerd.wire.codec import all_finite
 
 # Slots the optimizers peerd builds keep per parameter; state averaging averages the float ones.
 AVERAGED_SLOTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+# A gradient element beyond this could overflow Adam's second moment with its square (float32 max is 3.4e38),
+# the one way a finite gradient reaches the optimizer's slots as Inf: only then are the slots copied before a step.
+SLOTS_AT_RISK = 1e18
 Template = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _abs_peak(tensors: list[torch.Tensor]) -> float:
+    """The largest |element| of ``tensors`` in one pass over them: NaN if one holds NaN, Inf if one holds Inf."""
+    present = [t for t in tensors if t.numel()]
+    if not present:
+        return 0.0
+    return float(torch.stack([torch.linalg.vector_norm(t, ord=math.inf).float() for t in present]).max())
 
 
 def make_optimizer(config: TrainingConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -101,24 +115,26 @@ class LocalModel:
     def apply(self, flat: torch.Tensor) -> str | None:
         """One optimizer step with ``flat`` (a CPU gradient laid out as flat_mean_grad's) as the gradient; None
         if applied, else why it was not."""
-        if not torch.isfinite(flat).all():
+        peak = _abs_peak([flat])
+        if not math.isfinite(peak):
             self.drop_gradients()
             return "the averaged gradient holds NaN/Inf"
         gradient = self.to_device(flat)
         for p, part in flat_views(self.params, gradient):
             # a view, not a copy: zero_grad(set_to_none) drops it before the buffer is reused
             p.grad = part
-        return self._guarded_step(self._slots_at_risk([gradient]))
+        return self._guarded_step(peak > SLOTS_AT_RISK)
 
     def inner_step(self, samples: int) -> str | None:
         """diloco: one local optimizer step with the gradient accumulated over ``samples`` samples."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        for g in grads:
-            g.div_(samples)
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        if grads:
+            torch._foreach_div_(grads, float(samples))
+        peak = _abs_peak(grads)
+        if not math.isfinite(peak):
             self.drop_gradients()
             return "the local gradient holds NaN/Inf"
-        return self._guarded_step(self._slots_at_risk(grads))
+        return self._guarded_step(peak > SLOTS_AT_RISK)
 
     def _guarded_step(self, slots_at_risk: bool) -> str | None:
         """Steps the optimizer with the gradients in place. A step that would leave a parameter or optimizer
@@ -129,7 +145,7 @@ class LocalModel:
                          if isinstance(v, torch.Tensor)} for p in self.params} if slots_at_risk else None
         self.optimizer.step()
         self.drop_gradients()
-        if all(bool(torch.isfinite(t).all()) for t in self.state_tensors()):
+        if all_finite(self.state_tensors()):
             return None
         for p, saved in flat_views(self.params, self._before_step):
             p.data.copy_(saved)
@@ -141,12 +157,6 @@ class LocalModel:
                 self.optimizer.state.pop(p, None)
         init_slots(self.optimizer)
         return "the step would have made parameters or optimizer state non-finite; undone"
-
-    @staticmethod
-    def _slots_at_risk(grads: list[torch.Tensor]) -> bool:
-        """Whether squares of this gradient could overflow Adam's second moment (float32 max is 3.4e38), the
-        one way a finite gradient reaches the optimizer's slots as Inf; only then are the slots copied."""
-        return any(bool(g.abs().max() > 1e18) for g in grads if g.numel())
 
     def to_device(self, flat: torch.Tensor) -> torch.Tensor:
         """A CPU flat tensor on the model's device, through one reused device buffer (or itself on the CPU)."""

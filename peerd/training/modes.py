@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from peerd import threads
+from peerd.averaging.group import round_key
 from peerd.config import TrainingConfig
 from peerd.training.checkpoint import Checkpointer
 from peerd.training.evidence import Evidence
@@ -137,7 +139,7 @@ class SyncMode(Mode):
         if averaged is None:
             return
         async with h.step_lock:
-            refused = await asyncio.to_thread(h.local.apply, averaged)
+            refused = await threads.run(h.local.apply, averaged)
             if refused is not None:
                 # every member of the round got the same update and refuses it too: steps stay in agreement
                 logger.error("Step %d: update not applied: %s", h.step, refused)
@@ -158,7 +160,7 @@ class SyncMode(Mode):
         they hold NaN/Inf."""
         h = self.host
         weight = float(h.samples)
-        local = await asyncio.to_thread(h.local.flat_mean_grad, weight)
+        local = await threads.run(h.local.flat_mean_grad, weight)
         if not all_finite([local]):
             logger.error("Step %d: local gradients hold NaN/Inf; dropping them instead of sharing them "
                          "(lower training.lr?)", h.step)
@@ -166,7 +168,7 @@ class SyncMode(Mode):
             h.samples = 0
             return None
         return await h.rounds.average(
-            f"{h.prefix}.grad.{h.step}", local, weight, expected, residual=h.local.residual,
+            round_key(h.prefix, "grad", h.step), local, weight, expected, residual=h.local.residual,
             average_residual=h.local.average_residual, out=h.local.averaged, what=f"Step {h.step}")
 
     def averaged_state(self) -> torch.Tensor:

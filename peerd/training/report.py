@@ -29,6 +29,11 @@ class TrainingReport:
     tokens_per_sample: int | None = None  # language-model tasks: tokens per sequence
     mode: str = "sync"
     device: str = "cpu"
+    compute_threads: int = 0  # torch threads of the thread that runs the model (peerd/threads.py)
+    codec_kernel: str = ""  # what encodes 8-bit payloads: the C kernel's instruction set, or torch
+    codec_scheme: str = ""  # averaging.codec.scheme: how averaged gradients and pseudo-gradients are coded
+    codec_density: float | None = None  # topk: the share of elements a payload carries
+    codec_value_bits: int | None = None  # topk: bits per sent value
     precision: str = "fp32"
     state: str = "starting"
     step: int = 0
@@ -196,6 +201,11 @@ class TrainingReport:
             "tokens_per_second": round(self.samples_per_second * tokens, 1) if tokens else None,
             "mode": self.mode,
             "device": self.device,
+            "compute_threads": self.compute_threads,
+            "codec_kernel": self.codec_kernel,
+            "codec_scheme": self.codec_scheme,
+            "codec_density": self.codec_density,
+            "codec_value_bits": self.codec_value_bits,
             "precision": self.precision,
             "state": self.state,
             "step": self.step,

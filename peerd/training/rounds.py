@@ -72,6 +72,8 @@ class RoundRunner:
         """The plain mean of ``flat`` over ``group``, sent without loss (state averaging: parameters and
         optimizer slots, where 8-bit noise would land in the weights); None (logged) if the round failed."""
         try:
+            # the members' parameters are bit-identical unless someone lies: an honest majority's row must win,
+            # which the round's kind (a state round: averaging.group.is_state_round) tells every member
             averaged, state_round = await self.reducer.all_reduce(group, flat, 1.0, codec_config=self.lossless)
         except PeerdError as e:
             logger.info("State averaging in round %s failed: %s", group.round_id, e)

@@ -19,7 +19,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from peerd import threads
 from peerd.averaging.allreduce import AllReducer
+from peerd.averaging.group import STATE_KIND, round_key
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig, TrainingConfig
 from peerd.errors import ConfigError, PeerdError
@@ -39,6 +41,7 @@ from peerd.training.progress import ProgressTracker, progress_pause, wait_unless
 from peerd.training.report import TrainingReport
 from peerd.training.rounds import RoundRunner
 from peerd.training.transfer.server import StateServer
+from peerd.wire import blockwise
 from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
@@ -58,10 +61,15 @@ class CollaborativeTrainer:
         self.local = LocalModel(config, task, error_feedback=averaging.codec.error_feedback)
         self.prefix = f"{run_name}.{task.fingerprint}"
         self.progress = ProgressTracker(swarm, run_name, task.fingerprint, config.progress_ttl, shard_index)
+        sparse_codes = averaging.codec.scheme == "topk"
         self.report = TrainingReport(fingerprint=task.fingerprint, parameters=self.local.numel,
                                      model_parameters=self.local.total_numel,
                                      tokens_per_sample=task.tokens_per_sample, mode=config.mode,
                                      device=str(self.local.device), precision=config.precision,
+                                     compute_threads=threads.compute_threads(), codec_kernel=blockwise.kernel(),
+                                     codec_scheme=averaging.codec.scheme,
+                                     codec_density=averaging.codec.density if sparse_codes else None,
+                                     codec_value_bits=averaging.codec.value_bits if sparse_codes else None,
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
         self.reducer = AllReducer(guard, averaging, swarm.signer)
@@ -93,15 +101,15 @@ class CollaborativeTrainer:
 
     async def start(self) -> None:
         if self.config.resume and self.checkpointer is not None:
-            state = await asyncio.to_thread(self.checkpointer.resume, self._template, self.task.fingerprint)
+            state = await threads.run(self.checkpointer.resume, self._template, self.task.fingerprint)
             if state is not None:
-                await asyncio.to_thread(self.mode.restore, state)
+                await threads.run(self.mode.restore, state)
                 self.step = state.step
         if self.checkpointer is not None:
             artifacts = artifacts_directory(self.checkpointer.directory, self.task.fingerprint)
             await asyncio.to_thread(save_artifacts, self.task, artifacts)
         # the state every fresh peer starts from (the seed's), or a resumed one: served until a group agrees
-        await self.joining.agree(self.step, await asyncio.to_thread(self.mode.averaged_state))
+        await self.joining.agree(self.step, await threads.run(self.mode.averaged_state))
         for server in (self.reducer, self.state_server):
             await server.start()
         await self.publish()
@@ -177,7 +185,7 @@ class CollaborativeTrainer:
         batch = await asyncio.to_thread(next, self._batches)
         async with self.step_lock:  # diloco: a landing outer update must not move the weights mid-step
             started = time.monotonic()
-            loss, samples, refused = await asyncio.to_thread(self._compute, batch)
+            loss, samples, refused = await threads.run(self._compute, batch)
             elapsed = time.monotonic() - started
         if refused is not None:
             logger.error("Step %d, inner step %d: not applied: %s", self.step, self.report.inner_steps, refused)
@@ -203,7 +211,7 @@ class CollaborativeTrainer:
     async def checkpoint(self) -> None:
         assert self.checkpointer is not None
         async with self.step_lock:
-            state = await asyncio.to_thread(self.mode.capture, self.step)
+            state = await threads.run(self.mode.capture, self.step)
         path = await asyncio.to_thread(self.checkpointer.save, state, self.task.fingerprint)
         if path is not None:  # a failed write was logged by the checkpointer
             logger.info("Checkpoint %s", path)
@@ -212,7 +220,7 @@ class CollaborativeTrainer:
         """Writes the model as :mod:`peerd.training.export` does (diloco: the shared parameters); a failure is
         logged, and the checkpoints are still there to export from."""
         async with self.step_lock:
-            state = await asyncio.to_thread(self.mode.capture, self.step, True)
+            state = await threads.run(self.mode.capture, self.step, True)
         try:
             await asyncio.to_thread(export_task_state, self.task, self.config.task, state, out,
                                     self.config.export.merge_lora)
@@ -223,7 +231,7 @@ class CollaborativeTrainer:
 
     async def validate(self) -> None:
         async with self.step_lock:  # a diloco round landing meanwhile would change the weights mid-pass
-            self.report.validation_loss = await asyncio.to_thread(self.local.validation_loss)
+            self.report.validation_loss = await threads.run(self.local.validation_loss)
         self.report.validation_step = self.step
         logger.info("step %d: validation loss %.4f", self.step, self.report.validation_loss)
 
@@ -233,7 +241,7 @@ class CollaborativeTrainer:
         if self.alone():
             await self.agreed(step)
             return
-        group = await self.rounds.state_group(f"{self.prefix}.state.{step}",
+        group = await self.rounds.state_group(round_key(self.prefix, STATE_KIND, step),
                                               self.evidence.peers_near(self.progress.view, step))
         if group is None:
             return
@@ -252,7 +260,7 @@ class CollaborativeTrainer:
         """A round left this trainer's group on the same state (diloco's outer round), or it trains alone: the
         state it holds is what it serves (a joiner that sees nobody else loads it)."""
         async with self.step_lock:
-            flat = await asyncio.to_thread(self.mode.averaged_state)
+            flat = await threads.run(self.mode.averaged_state)
         await self.joining.agree(step, flat)
 
     # --- progress ---------------------------------------------------------------------------------------------

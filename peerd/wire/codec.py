@@ -6,8 +6,8 @@ with fewer than ``min_compress_numel`` elements travel as fp16, or raw in their 
 overflow them or flush them below the int8 error bound. :func:`decode` trusts nothing in a payload: every
 inconsistency raises :class:`~peerd.errors.CodecError` naming the sending peer.
 
-Speed comes from fused passes over cache-sized chunks into preallocated buffers, so each fp32 element is read
-from memory once on encode and written once on decode, and the encoded bytes are written in place.
+The blocks' arithmetic lives in :mod:`peerd.wire.blockwise` (a C kernel that reads each fp32 element once);
+the encoded bytes are written in place into the payload, and decoding can write into a caller's buffer.
 """
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ from __future__ import annotations
 import math
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
 
 from peerd.config import CodecConfig
 from peerd.errors import CodecError
+from peerd.wire import blockwise, topk
+from peerd.wire.blockwise import MAX_SCALE, MIN_SCALE
 
-__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "VERSION", "Scheme", "decode", "encode"]
+__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode"]
 
 MAGIC = b"PDQ8"
-VERSION = 1
+VERSION = 3  # 2 added the 4- and 2-bit schemes, 3 top-k; a payload is written with the oldest version of its scheme
 MAX_NDIM = 32
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 65536
 # magic, version, scheme, dtype code, ndim, block size, reserved (0), numel: 24 bytes, bodies stay 8-aligned.
@@ -37,32 +39,28 @@ class Scheme(IntEnum):
     RAW = 0  # body: numel elements of the original dtype
     FP16 = 1  # body: numel fp16 elements, cast back to the original dtype
     INT8_BLOCKWISE = 2  # body: ceil(numel / block_size) bf16 scales, then numel int8 codes
+    INT4_BLOCKWISE = 3  # the same scales, then ceil(numel / 2) bytes of 4-bit codes in [-7, 7]
+    INT2_BLOCKWISE = 4  # the same scales, then ceil(numel / 4) bytes of 2-bit codes in [-1, 1]
+    TOPK8 = 5  # k, the positions of the k largest |x| (Elias-Fano), then their values as INT8_BLOCKWISE codes them
+    TOPK4 = 6  # the same, values coded as INT4_BLOCKWISE
+    TOPK2 = 7  # the same, values coded as INT2_BLOCKWISE
+
+
+# the payload version each scheme is written with: the oldest that has it
+_VERSIONS = {scheme: 3 if scheme >= Scheme.TOPK8 else 2 if scheme >= Scheme.INT4_BLOCKWISE else 1 for scheme in Scheme}
+TOPK_BITS = {Scheme.TOPK8: 8, Scheme.TOPK4: 4, Scheme.TOPK2: 2}
+_TOPK_SCHEMES = {bits: scheme for scheme, bits in TOPK_BITS.items()}
+BLOCKWISE_BITS = {Scheme.INT8_BLOCKWISE: 8, Scheme.INT4_BLOCKWISE: 4, Scheme.INT2_BLOCKWISE: 2}
+_SCHEMES = {"blockwise8": Scheme.INT8_BLOCKWISE, "blockwise4": Scheme.INT4_BLOCKWISE, "blockwise2": Scheme.INT2_BLOCKWISE}
 
 
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
-def _f32_bits(value: float) -> int:
-    return int(struct.unpack("<I", struct.pack("<f", value))[0])
-
-
-def _bf16_floor(value: float) -> float:
-    return float(struct.unpack("<f", struct.pack("<I", _f32_bits(value) & 0xFFFF0000))[0])
-
-
-# Scales are rounded *up* to bf16 (fp32's range in 2 bytes), so no code exceeds 127; the floor gives all-zero
-# blocks a finite reciprocal, the ceiling keeps 127 * scale finite in fp32.
-MIN_SCALE = 2.0**-126
-MAX_SCALE = _bf16_floor(torch.finfo(torch.float32).max / 127)
-_MAX_SCALE_BITS = _f32_bits(MAX_SCALE) >> 16
 FP16_MAX = 65504.0
 # Below this absmax the fp16 subnormal step (2**-24) is coarser than the int8 codec's bound absmax / 254.
 FP16_MIN_ABSMAX = 254 * 2.0**-25
-# Elements per fused pass: its fp32 scratch (2 MiB) stays in cache, so each chunk comes from DRAM only once.
-CHUNK_NUMEL = 1 << 19
-
-
 def encode(tensor: torch.Tensor, config: CodecConfig) -> bytearray:
     """Serializes a float32/float16/bfloat16 tensor; ``bytes(result)`` if an immutable copy is needed.
 
@@ -75,8 +73,11 @@ def encode(tensor: torch.Tensor, config: CodecConfig) -> bytearray:
     flat = tensor.detach().to("cpu").reshape(-1)  # a view of a contiguous CPU tensor; one gather otherwise
     if config.lossless:
         return _encode_raw(flat, tuple(tensor.shape))
+    if flat.numel() >= max(config.min_compress_numel, 1) and config.scheme == "topk":
+        k = topk.choose_k(flat.numel(), config.density)
+        return _encode_topk(flat, tuple(tensor.shape), config.block_size, config.value_bits, k)
     if flat.numel() >= max(config.min_compress_numel, 1):
-        return _encode_blockwise(flat, tuple(tensor.shape), config.block_size)
+        return _encode_blockwise(flat, tuple(tensor.shape), config.block_size, _SCHEMES[config.scheme])
     return _encode_small(flat, tuple(tensor.shape))
 
 
@@ -96,13 +97,13 @@ def _payload(
     head = HEADER.size + 8 * len(shape)
     buf = bytearray(head + body)
     HEADER.pack_into(
-        buf, 0, MAGIC, VERSION, scheme, DTYPE_CODES[dtype], len(shape), block, 0, math.prod(shape)
+        buf, 0, MAGIC, _VERSIONS[scheme], scheme, DTYPE_CODES[dtype], len(shape), block, 0, math.prod(shape)
     )
     struct.pack_into(f"<{len(shape)}Q", buf, HEADER.size, *shape)
     return buf, head
 
 
-def all_finite(tensors: list[torch.Tensor | None]) -> bool:
+def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
     """True if no tensor holds NaN or Inf. A finite sum proves every element finite (NaN and Inf propagate
     through it) at a fraction of the cost of ``isfinite(t).all()`` (which builds a bool tensor, and is slow
     for fp16); only a sum that is not finite (a real NaN/Inf, or finite values whose sum overflows) needs
@@ -132,50 +133,37 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
     return buf
 
 
-def _spans(numel: int, block: int) -> Iterator[tuple[int, int, int, int]]:
-    """(first element, first block, rows, row width) of each fused pass: chunks of whole blocks, then the
-    partial last block on its own, so that every chunk is a zero-copy 2-d view of the flat tensor."""
-    full, step = numel // block, max(1, CHUNK_NUMEL // block)
-    for first in range(0, full, step):
-        yield first * block, first, min(step, full - first), block
-    if numel > full * block:
-        yield full * block, full, 1, numel - full * block
-
-
-def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int) -> bytearray:
-    numel, nblocks = flat.numel(), -(-flat.numel() // block)
-    buf, head = _payload(Scheme.INT8_BLOCKWISE, flat.dtype, shape, block, 2 * nblocks + numel)
-    codes = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=head + 2 * nblocks)
-    absmax, scales = torch.empty(nblocks), torch.empty(nblocks)
-    scratch = torch.empty(min(numel, max(1, CHUNK_NUMEL // block) * block))
-    for start, first, rows, width in _spans(numel, block):
-        end, stop = start + rows * width, first + rows
-        values, chunk_codes = flat[start:end].view(rows, width), codes[start:end].view(rows, width)
-        tmp = scratch[: end - start].view(rows, width)
-        _quantize_rows(values, chunk_codes, absmax[first:stop], scales[first:stop], tmp)
-    if not math.isfinite(float(absmax.max())):  # amax propagates NaN, so one check covers every element
+def _encode_topk(flat: torch.Tensor, shape: tuple[int, ...], block: int, bits: int, k: int) -> bytearray:
+    positions = topk.select(flat, k)
+    size = topk.body_size(flat.numel(), positions.numel(), block, bits)
+    buf, head = _payload(_TOPK_SCHEMES[bits], flat.dtype, shape, block, size)
+    if not topk.encode_body(flat, positions, block, bits, memoryview(buf)[head:]):
         raise _non_finite(flat.dtype)
-    # The scales hold bf16 values already (rounded up in _quantize_rows), so narrowing them is exact.
-    torch.frombuffer(buf, dtype=torch.bfloat16, count=nblocks, offset=head).copy_(scales)
     return buf
 
 
-def _quantize_rows(
-    rows: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, scales: torch.Tensor, tmp: torch.Tensor
-) -> None:
-    if rows.dtype == torch.float32:
-        torch.amax(torch.abs(rows, out=tmp), dim=1, out=absmax)
-        src = rows
-    else:  # widen once; the reductions and the product then run on the fp32 copy
-        src = tmp.copy_(rows)
-        torch.maximum(src.amax(dim=1), src.amin(dim=1).neg_(), out=absmax)
-    torch.mul(absmax, 1 / 127, out=scales)
-    # Round up to bf16 by carrying into the high half of the fp32 bits (scales are non-negative here).
-    scales.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
-    scales.clamp_(MIN_SCALE, MAX_SCALE)
-    # No clamp to [-127, 127] needed: |x| / MAX_SCALE <= float32 max / MAX_SCALE = 127.007 rounds to 127.
-    torch.mul(src, scales.reciprocal().unsqueeze(1), out=tmp).round_()
-    codes.copy_(tmp)
+def _body_size(scheme: Scheme, numel: int, block: int) -> tuple[int, int]:
+    """(scale count, body bytes) of a blockwise payload."""
+    nblocks = -(-numel // block)
+    return nblocks, 2 * nblocks + -(-numel * BLOCKWISE_BITS[scheme] // 8)
+
+
+def _encode_blockwise(flat: torch.Tensor, shape: tuple[int, ...], block: int, scheme: Scheme) -> bytearray:
+    numel, bits = flat.numel(), BLOCKWISE_BITS[scheme]
+    nblocks, body_size = _body_size(scheme, numel, block)
+    buf, head = _payload(scheme, flat.dtype, shape, block, body_size)
+    body = memoryview(buf)[head:]
+    scales, codes = body[: 2 * nblocks], body[2 * nblocks :]
+    if bits == 8:
+        finite = blockwise.quantize(flat, scales, codes, block)
+    else:
+        unpacked = bytearray(numel)
+        finite = blockwise.quantize(flat, scales, memoryview(unpacked), block, bits)
+        if finite:
+            blockwise.pack(torch.frombuffer(unpacked, dtype=torch.int8), codes, bits)
+    if not finite:
+        raise _non_finite(flat.dtype)
+    return buf
 
 
 def _fail(peer_id: str, reason: str) -> CodecError:
@@ -209,12 +197,15 @@ def decode(
     magic, version, scheme_code, dtype_code, ndim, block, reserved, numel = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise _fail(peer_id, f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise _fail(peer_id, f"unsupported codec version {version}, this peer speaks version {VERSION}")
+    if not 1 <= version <= VERSION:
+        raise _fail(peer_id, f"unsupported codec version {version}, this peer speaks versions 1 to {VERSION}")
     try:
         scheme = Scheme(scheme_code)
     except ValueError:
         raise _fail(peer_id, f"unknown scheme {scheme_code}") from None
+    if _VERSIONS[scheme] > version:
+        raise _fail(peer_id, f"scheme {scheme.name} in a version {version} payload (it came with version "
+                             f"{_VERSIONS[scheme]})")
     if dtype_code not in _DTYPES:
         raise _fail(peer_id, f"unknown dtype code {dtype_code}")
     dtype = _DTYPES[dtype_code]
@@ -234,11 +225,19 @@ def decode(
         raise _fail(peer_id, f"shape {shape} differs from the expected {tuple(wanted)}")
     if max_numel is not None and numel > max_numel:
         raise _fail(peer_id, f"{numel} elements exceed the limit of {max_numel}")
-    if scheme is Scheme.INT8_BLOCKWISE:
+    if scheme in BLOCKWISE_BITS:
         if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
             raise _fail(peer_id, f"block size {block} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
-        nblocks = -(-numel // block)
-        body = 2 * nblocks + numel
+        nblocks, body = _body_size(scheme, numel, block)
+    elif scheme in TOPK_BITS:
+        if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+            raise _fail(peer_id, f"block size {block} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+        if wanted is None and max_numel is None:  # a few bytes could claim 2**60 zeros
+            raise _fail(peer_id, f"a {scheme.name} payload where no shape or size limit was expected")
+        k = topk.read_k(buf[head:])
+        if k is None or k > numel:
+            raise _fail(peer_id, f"top-k count {k} missing or above the {numel} elements")
+        body = topk.body_size(numel, k, block, TOPK_BITS[scheme])
     elif block != 0:
         raise _fail(peer_id, f"block size {block} given for non-blockwise scheme {scheme.name}")
     else:
@@ -254,37 +253,26 @@ def decode(
     result = out if out is not None else torch.empty(shape, dtype=dtype)
     if numel == 0:
         return result
-    if scheme is Scheme.INT8_BLOCKWISE:
-        _dequantize(buf, head, nblocks, block, result.view(-1), peer_id)
+    reason: str | None
+    if scheme in TOPK_BITS:
+        reason = topk.decode_body(_view(buf, torch.uint8, body, head), block, TOPK_BITS[scheme], result.view(-1))
+        if reason is not None:
+            raise _fail(peer_id, reason)
+        return result
+    if scheme in BLOCKWISE_BITS:
+        bits = BLOCKWISE_BITS[scheme]
+        raw_scales = _view(buf, torch.int16, nblocks, head)
+        codes = _view(buf, torch.int8, body - 2 * nblocks, head + 2 * nblocks)
+        unpacked = codes if bits == 8 else blockwise.unpack(codes.view(torch.uint8), numel, bits)
+        if isinstance(unpacked, str):
+            reason = unpacked
+        else:
+            reason = blockwise.dequantize(raw_scales, unpacked, block, result.view(-1), bits)
+        if reason is not None:
+            raise _fail(peer_id, reason)
         return result
     values = _view(buf, torch.float16 if scheme is Scheme.FP16 else dtype, numel, head)
     if not all_finite([values]):
         raise _fail(peer_id, f"NaN or Inf in the {scheme.name} body")
     result.view(-1).copy_(values)
     return result
-
-
-def _dequantize(
-    buf: memoryview, head: int, nblocks: int, block: int, flat: torch.Tensor, peer_id: str
-) -> None:
-    raw_scales = _view(buf, torch.int16, nblocks, head)
-    low, high = (int(v) for v in torch.aminmax(raw_scales))
-    if low < 0 or high > _MAX_SCALE_BITS:  # bit order = value order for non-negative bf16; NaN/Inf sort above
-        bad = raw_scales[(raw_scales < 0) | (raw_scales > _MAX_SCALE_BITS)][0].view(torch.bfloat16).item()
-        raise _fail(peer_id, f"block scale {bad} is negative, NaN, Inf or above {MAX_SCALE:.4e}")
-    numel = flat.numel()
-    codes = _view(buf, torch.int8, numel, head + 2 * nblocks)
-    if int(codes.min()) == -128:
-        raise _fail(peer_id, "code -128 (the encoder only emits [-127, 127])")
-    scales = raw_scales.view(torch.bfloat16).float()
-    # fp16/bf16 results go through an fp32 scratch and saturate, since a rounded-up scale may overshoot 65504.
-    narrow = flat.dtype != torch.float32
-    scratch = torch.empty(min(numel, max(1, CHUNK_NUMEL // block) * block)) if narrow else None
-    limit = torch.finfo(flat.dtype).max
-    for start, first, rows, width in _spans(numel, block):
-        end = start + rows * width
-        out = flat[start:end].view(rows, width)
-        target = out if scratch is None else scratch[: end - start].view(rows, width)
-        target.copy_(codes[start:end].view(rows, width)).mul_(scales[first : first + rows].unsqueeze(1))
-        if scratch is not None:
-            out.copy_(target.clamp_(-limit, limit))

@@ -53,10 +53,10 @@ def encode_with_feedback(
     payload = encode(coded, config)
     if dropped is None:
         if decoded is not None:
-            decode(payload, peer_id=peer_id, out=decoded)
+            decode(payload, peer_id=peer_id, expected_shape=tuple(values.shape), out=decoded)
         return payload, 0.0
     norm = float(coded.norm()) if with_norm else 0.0
     if coded is not dropped:
         dropped.copy_(coded)  # before decoding: `decoded` may alias `values`
-    dropped.sub_(decode(payload, peer_id=peer_id, out=decoded))  # out=None: a fresh tensor
+    dropped.sub_(decode(payload, peer_id=peer_id, expected_shape=tuple(values.shape), out=decoded))  # out=None: fresh
     return payload, norm

@@ -44,6 +44,7 @@ def _far_expirations() -> None:
 
 
 HAUNT_AHEAD = 3  # gradient rounds ahead of the furthest trainer it registers for
+HAUNT_REFRESH = 1.0  # pairs: seconds between its registrations for one round, until it decides
 HAUNT_LIFETIME = 40.0  # within what readers allow for a round key's entries (configs/synthetic.yaml: 43 + 3 s)
 
 
@@ -55,19 +56,23 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
     honest = node.SwarmNode.store
     haunting: list[asyncio.Task[None]] = []
 
-    async def pair_up(swarm: node.SwarmNode, key: str, t: float) -> None:
+    times: dict[str, float] = {}  # the time of its latest registration for each round it haunts
+    decided: set[str] = set()
+
+    async def pair_up(swarm: node.SwarmNode, key: str) -> None:
         for _ in range(600):  # for 60 s at most
             await asyncio.sleep(0.1)  # polling the round's registrations, as matchmaking does
             with contextlib.suppress(PeerdError):
                 others = sorted(set(await swarm.read_subkeys(key)) - {swarm.peer_id})
                 if len(others) >= 2:
+                    decided.add(key)
                     groups = [sorted([swarm.peer_id, other]) for other in others]
-                    await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": t, "groups": groups},
-                                 node.now() + HAUNT_LIFETIME)
+                    entry = {"peer_id": swarm.peer_id, "t": times[key], "groups": groups}
+                    await honest(swarm, key, swarm.peer_id, entry, node.now() + HAUNT_LIFETIME)
                     return
 
     async def haunt(swarm: node.SwarmNode) -> None:
-        registered: set[str] = set()
+        refreshed: dict[str, float] = {}
         progress_key = swarm.records_key.removesuffix(".peers") + ".progress"
         while True:
             await asyncio.sleep(0.3)  # the pace of its reads of the trainers' progress
@@ -81,14 +86,19 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
             fingerprint, step = max(steps, key=lambda s: s[1])
             for ahead in range(HAUNT_AHEAD):
                 key = f"{progress_key.removesuffix('.progress')}.{fingerprint}.grad.{step + ahead}"
-                if key not in registered:
-                    registered.add(key)
-                    t = when(node.now())
-                    with contextlib.suppress(PeerdError):
-                        await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": t},
-                                     node.now() + HAUNT_LIFETIME)
-                    if pairs:
-                        asyncio.ensure_future(pair_up(swarm, key, t))
+                # pairs: registered again every HAUNT_REFRESH seconds until it decides, since a time set when the
+                # round was steps ahead may be too early for its registrants to believe once they get there; a
+                # registration stored after its decision would replace it, and it would lead as a silent leader
+                if key in decided or key in refreshed and (not pairs or node.now() - refreshed[key] < HAUNT_REFRESH):
+                    continue
+                first = key not in refreshed
+                refreshed[key] = node.now()
+                times[key] = when(node.now())
+                with contextlib.suppress(PeerdError):
+                    await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": times[key]},
+                                 node.now() + HAUNT_LIFETIME)
+                if pairs and first:
+                    asyncio.ensure_future(pair_up(swarm, key))
 
     async def store(self: node.SwarmNode, key: str, subkey: str, payload: dict[str, Any], expiration: float) -> bool:
         if not haunting:
@@ -96,9 +106,12 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
         if "groups" in payload:  # it never decides
             return True
         if "t" in payload:
+            if key in decided:  # its own matchmaking registers late: the decision it published stands
+                return True
             payload = {**payload, "t": when(payload["t"])}
-            if pairs:
-                asyncio.ensure_future(pair_up(self, key, payload["t"]))
+            if pairs and key not in times:
+                times[key] = payload["t"]
+                asyncio.ensure_future(pair_up(self, key))
         return await honest(self, key, subkey, payload, expiration)
 
     node.SwarmNode.store = store  # type: ignore[method-assign]

@@ -3,14 +3,14 @@
     with NatLab(public=["relay", "pub"], natted=["a", "b"]) as lab:
         lab.addr("relay")          # '10.79.0.2', reachable from everyone
         lab.addr("a")              # '192.168.11.2', reachable from nobody outside a's home
-        lab.ns("a")                # 'peerdnat-a', for `ip netns exec` or setns(2)
+        lab.ns("a")                # 'peerdnat-<pid>-a', for `ip netns exec` or setns(2)
 
-Topology (nothing is created in, or routed from, the root namespace):
+Topology (nothing is created in, or routed from, the root namespace; <pid> is the process that built the lab):
 
-    peerdnat-wan: bridge br0, the internet (10.79.0.0/24)
-    public host h:  peerdnat-<h>, eth0 10.79.0.<k>/24 on br0
-    natted host h:  peerdnat-<h>, eth0 192.168.<10+k>.2/24, default route via its router
-                    peerdnat-r<h>, lan0 192.168.<10+k>.1 and wan0 10.79.0.<100+k> on br0, forwarding with
+    peerdnat-<pid>-wan: bridge br0, the internet (10.79.0.0/24)
+    public host h:  peerdnat-<pid>-<h>, eth0 10.79.0.<k>/24 on br0
+    natted host h:  peerdnat-<pid>-<h>, eth0 192.168.<10+k>.2/24, default route via its router
+                    peerdnat-<pid>-r<h>, lan0 192.168.<10+k>.1 and wan0 10.79.0.<100+k> on br0, forwarding with
                     iptables MASQUERADE out of wan0 and only replies let back in (FORWARD: ESTABLISHED,RELATED)
 
 So a natted host can dial any public host (its connections leave from its router's address), while no host can
@@ -19,7 +19,8 @@ replies. Two natted hosts cannot dial each other at all, like two home machines 
 
 Needs root and iproute2 + iptables; otherwise entering raises :class:`NatLabUnavailable` with the reason, and
 :func:`nat_lab_or_skip` skips the test with it (in CI, where the test machines are root, it fails instead).
-Everything named ``peerdnat-*`` is removed on exit and on entry (left over from an interrupted run).
+A lab's namespaces are removed on exit; on entry, those of labs whose process is gone (an interrupted run). Two
+test runs on one machine each build their own lab and leave the other's alone.
 
 Peers run inside a host's namespace as ``NetnsPeer`` (``benchmarks/_netns_peerd.py``, which the benchmarks use
 too); :func:`public_maddr` is a public peer's address on the internet.
@@ -47,7 +48,6 @@ from _netns_peerd import NetnsPeer  # benchmarks/ is on sys.path, not a package
 __all__ = ["NatLab", "NatLabUnavailable", "NetnsPeer", "nat_lab_or_skip", "public_maddr"]
 
 PREFIX = "peerdnat-"
-WAN_NS = f"{PREFIX}wan"
 WAN = "7.79.0"
 
 
@@ -67,9 +67,25 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def cleanup_leftovers() -> None:
+def _builder_alive(ns: str) -> bool:
+    """Whether the process that built namespace ``ns`` (``peerdnat-<pid>-<host>``) still runs."""
+    owner = ns[len(PREFIX) :].split("-", 1)[0]
+    if not owner.isdigit():
+        return False  # named before labs carried their builder's pid
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_leftovers(prefix: str | None = None) -> None:
+    """Removes the namespaces starting with ``prefix`` (one lab's), or without it those of labs whose builder
+    is gone, killing the processes inside first."""
     for ns in _namespaces():
-        if ns.startswith(PREFIX):
+        if ns.startswith(prefix) if prefix is not None else ns.startswith(PREFIX) and not _builder_alive(ns):
             for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -94,6 +110,8 @@ class NatLab:
     def __init__(self, public: list[str], natted: list[str]) -> None:
         self.public = list(public)
         self.natted = list(natted)
+        self.prefix = f"{PREFIX}{os.getpid()}-"
+        self.wan_ns = f"{self.prefix}wan"
         self._addrs: dict[str, str] = {}
         for k, name in enumerate(self.public, start=2):
             self._addrs[name] = f"{WAN}.{k}"
@@ -102,7 +120,7 @@ class NatLab:
             self._addrs[f"r{name}"] = f"{WAN}.{100 + k}"
 
     def ns(self, host: str) -> str:
-        return f"{PREFIX}{host}"
+        return f"{self.prefix}{host}"
 
     def addr(self, host: str) -> str:
         return self._addrs[host]
@@ -117,17 +135,18 @@ class NatLab:
     def __enter__(self) -> Self:
         check_available()
         cleanup_leftovers()
+        cleanup_leftovers(self.prefix)
         try:
             self._build()
         except BaseException as e:
-            cleanup_leftovers()
+            cleanup_leftovers(self.prefix)
             if isinstance(e, RuntimeError):
                 raise NatLabUnavailable(f"could not build the NAT lab: {e}") from e
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cleanup_leftovers()
+        cleanup_leftovers(self.prefix)
 
     def _add_ns(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
@@ -135,16 +154,16 @@ class NatLab:
 
     def _plug(self, ns: str, dev: str, port: str, cidr: str) -> None:
         """A veth from namespace ``ns`` (as ``dev``, address ``cidr``) to the internet bridge (as ``port``)."""
-        _run(["ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", WAN_NS])
-        _run(["ip", "-n", WAN_NS, "link", "set", port, "master", "br0"])
-        _run(["ip", "-n", WAN_NS, "link", "set", port, "up"])
+        _run(["ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port, "netns", self.wan_ns])
+        _run(["ip", "-n", self.wan_ns, "link", "set", port, "master", "br0"])
+        _run(["ip", "-n", self.wan_ns, "link", "set", port, "up"])
         _run(["ip", "-n", ns, "addr", "add", cidr, "dev", dev])
         _run(["ip", "-n", ns, "link", "set", dev, "up"])
 
     def _build(self) -> None:
-        self._add_ns(WAN_NS)
-        _run(["ip", "-n", WAN_NS, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", WAN_NS, "link", "set", "br0", "up"])
+        self._add_ns(self.wan_ns)
+        _run(["ip", "-n", self.wan_ns, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", self.wan_ns, "link", "set", "br0", "up"])
         for k, name in enumerate(self.public, start=2):
             self._add_ns(self.ns(name))
             self._plug(self.ns(name), "eth0", f"h{k}", f"{self.addr(name)}/24")

@@ -122,14 +122,18 @@ async def _no_group(self: RoundRunner, key: str, expected: int) -> None:
     return None
 
 
-if KIND != "none":
-    ProgressTracker.publish = _lying_publish  # type: ignore[method-assign]
-    Joining.serve = _serve_noise  # type: ignore[method-assign]
-Joining.__init__ = _remembering_init  # type: ignore[method-assign]
-Joining.catch_up = _no_catch_up  # type: ignore[method-assign]
-CollaborativeTrainer._micro_step = _idle_micro_step  # type: ignore[method-assign]
-RoundRunner.average = _alone  # type: ignore[method-assign]
-RoundRunner.state_group = _no_group  # type: ignore[method-assign,assignment]
+def patch() -> None:
+    """Makes this process the attacker (only when run as a program: a test importing :data:`LEAD` stays honest)."""
+    if KIND != "none":
+        ProgressTracker.publish = _lying_publish  # type: ignore[method-assign]
+        Joining.serve = _serve_noise  # type: ignore[method-assign]
+    Joining.__init__ = _remembering_init  # type: ignore[method-assign]
+    Joining.catch_up = _no_catch_up  # type: ignore[method-assign]
+    CollaborativeTrainer._micro_step = _idle_micro_step  # type: ignore[method-assign]
+    RoundRunner.average = _alone  # type: ignore[method-assign]
+    RoundRunner.state_group = _no_group  # type: ignore[method-assign,assignment]
+
 
 if __name__ == "__main__":
+    patch()
     main()

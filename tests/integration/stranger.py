@@ -8,13 +8,14 @@
     python -m tests.integration.stranger read MADDR KEY           prints the payloads stored under KEY, as stored
 
 MADDR ends in the target's /p2p/<peer id>. Each command prints one JSON line when its work is done; ``slots``
-then keeps its streams open (reopening any the target closes) until it is stopped with a signal.
+then keeps its streams open (reopening any the target refuses or closes) until it is stopped with a signal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import secrets
 import sys
@@ -90,8 +91,14 @@ async def slots(maddr: str, identities: int, streams: int, protocol: str) -> Non
                 await asyncio.sleep(0.05)
                 continue
             held.append(writer)
-            await reader.read()  # the target's first answer (a refusal) or EOF: open another at once, and
-            held.remove(writer)  # leave this one to the target to close
+            # the target's first answer (a refusal), EOF or a reset: close this one and open another shortly, so
+            # that a slot freed by anyone is taken again (the target would keep a refused stream open for a while,
+            # waiting for us to close it, and a member's next stream would take the slot first)
+            with contextlib.suppress(Exception):
+                await reader.read(1)
+            held.remove(writer)
+            writer.close()
+            await asyncio.sleep(0.1)
 
     tasks = [asyncio.ensure_future(hold(node)) for node in nodes for _ in range(streams)]
     deadline = time.monotonic() + 60

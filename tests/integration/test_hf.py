@@ -202,3 +202,35 @@ def test_a_peer_with_another_model_revision_is_named_and_never_averaged_with(
     assert training(revised)["rounds_ok"] == 0
     assert good.peer_id in training(revised)["foreign_peers"]
     assert swarm.stop() == [0, 0, 0]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (lambda t: {"config": None, "model": str(t / "no-such-model")}, "training.task.options.model",
+         "does not exist"),
+        (lambda t: {"data": {"files": [str(write_text(t / "bad.jsonl", ['{"text": "fine"}', "{not json"]))]}},
+         "training.task.options.data.files", "bad.jsonl: not readable as json"),
+        (lambda t: {"seq_len": 4096}, "training.task.options.seq_len", "max_position_embeddings"),
+    ],
+    ids=["model-dir", "json-malformed", "seq-len"],
+)
+def test_peerd_start_with_bad_input_exits_1_with_one_line_and_keeps_the_checkpoints(
+    assets: dict[str, Path], tmp_path: Path, change: Any, field: str, words: str
+) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    kept = checkpoints / "ckpt-000000007.pt"
+    kept.write_bytes(b"a checkpoint from an earlier run")
+    options = {**scratch_options(assets), **change(tmp_path)}
+    config = swarm_config(tmp_path / "bad.yaml", options, checkpoint={"directory": str(checkpoints)})
+    result = subprocess.run([sys.executable, "-m", "peerd", "start", "--config", str(config)], capture_output=True,
+                            text=True, timeout=150, check=False)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "ERROR" in line or words in line]
+    assert result.returncode == 1, output
+    assert "Traceback" not in output, output
+    assert len(errors) == 1 and words in errors[0] and (field in errors[0] or ".jsonl" in errors[0]), output
+    assert [p.name for p in checkpoints.iterdir()] == [kept.name]
+    assert kept.read_bytes() == b"a checkpoint from an earlier run"

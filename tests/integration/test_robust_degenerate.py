@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validation_loss
+from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validated_or_diverged, validation_loss
 
 pytestmark = pytest.mark.integration
 
@@ -63,16 +63,7 @@ def train(log_dir: Path, roles: list[str], aggregation: str = "centered_clip",
         for peer in swarm.peers:
             peer.wait_ready(60)
         honest = [p for p in swarm.peers if p.name.endswith("-honest")]
-
-        def finished() -> list[dict[str, Any]] | None:
-            reports = [p.status()["training"] for p in honest]
-            if all((r["validation_step"] or 0) >= STEPS for r in reports):
-                return reports
-            if any(validation_loss(r) == math.inf for r in reports):
-                return reports
-            return None
-
-        reports = wait_for(finished, 200, f"{STEPS} steps of {roles} (undefended: {undefended})", 0.5)
+        reports = wait_for(lambda: validated_or_diverged(honest, STEPS), 200, f"{STEPS} steps of {roles} (undefended: {undefended})", 0.5)
         print(f"{roles} {aggregation} undefended={undefended}: validation losses "
               f"{[validation_loss(r) for r in reports]}")
         return reports

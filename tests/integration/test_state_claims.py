@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import REPO
+from tests.helpers import REPO, training
 from tests.integration.state_attacker import LEAD
 
 pytestmark = pytest.mark.integration
@@ -49,10 +49,6 @@ def spawn(swarm: LocalSwarm, name: str, module: str, shard: int, *extra: str,
     peer = PeerProcess(name, args, swarm.log_dir, env={"PYTHONPATH": path, **(env or {})}, module=module)
     swarm.peers.append(peer)
     return peer
-
-
-def training(peer: PeerProcess) -> dict[str, Any]:
-    return peer.status()["training"]
 
 
 def validation_loss(report: dict[str, Any]) -> float:

@@ -1,7 +1,9 @@
-"""A stranger's slot attack, with real processes: 4 identities without the secret open 16 streams each to a
+"""A stranger's slot attack, with real processes: 5 identities without the secret open 16 streams each to a
 trainer's averaging handler and say nothing (tests/integration/stranger.py), re-opening every stream the
-trainer closes. The trainer's member slots are cut to 64 (swarm.streams.max_streams), so that the strangers'
-64 streams are exactly what took every slot when a stream's slot was taken before its handshake.
+trainer closes or refuses. The trainer's member slots are cut to 64 (swarm.streams.max_streams): the strangers'
+80 streams take every slot when a stream's slot is taken before its handshake, and the 16 left over wait to
+take any slot that frees, as an attacker would keep them (with exactly 64, a slot a member's stream held at
+the attack's start stayed the member's, round after round).
 
 peerd keeps unproven streams in a pool of their own (4 per peer): the two members average on as before.
 The same attack against ``tests/integration/undefended.py`` with one pool for both shows the damage: the
@@ -28,8 +30,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 SYNTHETIC = REPO / "configs" / "synthetic.yaml"
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-LIMITS = ["-o", "swarm.streams.max_streams=64", "-o", "swarm.streams.max_streams_per_peer=16"]
-IDENTITIES, STREAMS = 4, 16
+# members' handshake deadline outlasts the test: without the defence each stranger's stream holds a member's
+# slot until that deadline, and the strangers' streams, opened together, would expire together and leave the
+# member a window to average through while they reopen
+LIMITS = ["-o", "swarm.streams.max_streams=64", "-o", "swarm.streams.max_streams_per_peer=16",
+          "-o", "swarm.streams.handshake_timeout=300"]
+IDENTITIES, STREAMS = 5, 16
 ROUNDS = 5
 
 
@@ -80,14 +86,23 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
             pool, full = ("streams_open", 64) if undefended else ("unproven_streams_open", IDENTITIES * 4)
             wait_for(lambda: victim.status(timeout=30)["membership"][pool] >= full, 60,
                      f"the strangers to hold {full} of the victim's {pool}", 0.2)
+            if undefended:
+                # the count includes any member's stream open at that moment: its slot goes to the strangers'
+                # spare streams once it frees, and the member's refusal says they hold the rest
+                member = swarm.peers[0].peer_id
+                wait_for(lambda: member in victim.status(timeout=30)["membership"]["refused_peers"], 60,
+                         "the victim to refuse a member's stream", 0.2)
             refused_before = dict(victim.status(timeout=30)["membership"]["streams_refused"])
             attacked = time_rounds(victim, ROUNDS, 3 * baseline + 30)
+            # an attacker that died mid-attack would make the undefended run look defended
+            assert stranger.poll() is None, "the strangers' process ended during the attack"
 
             def refusals() -> dict[str, int] | None:
                 refused = victim.status(timeout=30)["membership"]["streams_refused"]
                 delta = {k: v - refused_before.get(k, 0) for k, v in refused.items() if v != refused_before.get(k, 0)}
-                # the strangers' silent streams end at their handshake deadline
-                return delta if delta.get("malformed") else None
+                # defended, the strangers' silent streams end at the unproven deadline; undefended, the
+                # member's own streams are refused as busy
+                return delta if delta.get("busy" if undefended else "malformed") else None
 
             delta = wait_for(refusals, 60, "the strangers' streams to be refused", 0.5)
         finally:
@@ -105,4 +120,4 @@ def test_strangers_cannot_take_members_stream_slots(tmp_path: Path) -> None:
     assert attacked is not None, "the member stopped averaging under the strangers' attack"
     _, attacked, refused = run(tmp_path / "undefended", undefended=True)
     assert attacked is None, f"one pool for all: the member still averaged {ROUNDS} rounds in {attacked} s"
-    assert refused.get("busy", 0) > 0  # the member's own streams, refused for the strangers' sake
+    assert refused.get("busy", 0) > 0  # the strangers' spare streams, and the member's

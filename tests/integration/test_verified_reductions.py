@@ -123,9 +123,7 @@ def test_without_the_checks_the_same_reducer_wrecks_the_model(mode: str, referen
     """In diloco mode, whose outer step applies the pseudo-gradient as averaged (in sync mode AdamW's steps are
     bounded by the learning rate whatever the gradient's scale, so 10 steps of a flipped gradient on a third of
     the parameters leave this small LM's loss too close to the 10% band to tell damage from noise), and without
-    state averaging: the liar keeps the true averages, so its parameters stay honest, while the two blind
-    members, which applied the same lies, hold identical parameters that robust rules count as one member;
-    state averaging would give the liar's parameters half the say and undo part of what its lies did."""
+    state averaging, so that the blind members' parameters move by the liar's averages only."""
     run = train(tmp_path, mode, [BLIND, BLIND, LIAR], env={"LYING_REDUCER": "everyone"},
                 options=("-o", f"training.state_averaging_every={10 * STEPS}"))
     losses = run.losses()

@@ -13,6 +13,7 @@ from peerd.averaging.group import Group
 from peerd.averaging.reducer import SpanReducer
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.wire import codec
+from peerd.wire.topk import choose_k
 from tests.identities import signers
 from tests.unit.reducers import make_reducer
 
@@ -55,6 +56,36 @@ def test_centered_clip_bounds_a_flipped_and_scaled_member() -> None:
     assert result.kept[3] < 1e-3 and min(result.kept[:3]) > 0.5
     # the honest members' own spread around their mean is about 0.5 * sqrt(4096 * 2 / 3) = 26
     assert float((out - honest).norm()) < 0.5 * float(honest.norm())
+
+
+@pytest.mark.parametrize("attack", ["scaled", "one element off every support", "spread over the others' zeros"])
+def test_top_k_rows_cannot_dodge_the_clip_by_where_they_put_their_mass(attack: str) -> None:
+    """A reducer clips the dense rows it decodes from top-k payloads: how an attacker places the few elements it
+    sends (on the honest members' positions, off all of them, concentrated or spread) changes its L2 distance
+    from the others, which is what is clipped, not how far it gets."""
+    sparse = CodecConfig(min_compress_numel=0, scheme="topk", density=0.05, value_bits=2)
+
+    def sent(row: torch.Tensor) -> torch.Tensor:
+        return codec.decode(bytes(codec.encode(row, sparse)), peer_id=ME, expected_shape=tuple(row.shape))
+
+    true = honest_rows(4, 8192, 0.5)
+    rows = torch.stack([sent(true[i]) for i in range(3)] + [torch.zeros(8192)])
+    honest = rows[:3].mean(0)
+    size = 1000.0 * float(honest.norm())
+    unused = (rows[:3] == 0).all(0).nonzero().view(-1)
+    if attack == "scaled":
+        rows[3] = sent(-1000.0 * true[3])
+    elif attack == "one element off every support":
+        rows[3, unused[0]] = size
+    else:
+        rows[3, unused[: choose_k(8192, 0.05)]] = size / choose_k(8192, 0.05) ** 0.5
+    assert float(rows[3].norm()) > 100 * float(honest.norm())
+    out, plain = torch.empty(8192), torch.empty(8192)
+    result = combine("centered_clip", rows.clone(), [1.0] * 4, out, 2.0, 0.75, 3)
+    combine("mean", rows.clone(), [1.0] * 4, plain, 2.0, 0.75, 3)
+    assert result.kept[3] < 0.01 and min(result.kept[:3]) > 0.5, result.kept
+    assert float((out - honest).norm()) < 0.5 * float(honest.norm())
+    assert float((plain - honest).norm()) > 50 * float(honest.norm())  # what the clip prevents
 
 
 def test_a_majority_in_exact_agreement_is_the_answer() -> None:
@@ -148,3 +179,16 @@ def test_the_reducer_clips_the_attacker_and_says_so_whatever_the_arrival_order()
         assert reducer.weights[0] == 32.0 * 4
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("rule", ["centered_clip", "trimmed_mean"])
+def test_agreeing_members_outvote_one_liar_in_state_averaging(rule: str) -> None:
+    """Three honest members hold one state bit for bit and a fourth sends its negation: as copies they would
+    count once, a pair with the liar that cancels to zero; as members that agree, their state is the result."""
+    state = honest_rows(1, 4096, 0.5, seed=11)[0]
+    rows = torch.stack([state, state, state, -state])
+    agreed, collapsed = torch.empty(4096), torch.empty(4096)
+    combine(rule, rows.clone(), [1.0] * 4, agreed, 1.0, AveragingConfig().clip_radius, 3, agreeing=True)
+    assert torch.equal(agreed, state), rule
+    combine(rule, rows.clone(), [1.0] * 4, collapsed, 1.0, AveragingConfig().clip_radius, 3)
+    assert torch.linalg.vector_norm(collapsed) < 0.01 * torch.linalg.vector_norm(state), rule

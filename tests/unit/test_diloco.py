@@ -97,6 +97,32 @@ def test_a_non_finite_average_is_refused_and_changes_nothing() -> None:
     assert torch.equal(outer.shared, before) and torch.equal(flat_params(local), model)
 
 
+def test_an_outer_step_prepared_beside_inner_steps_changes_nothing_until_committed_and_not_a_reloaded_state() -> None:
+    local = local_model()
+    outer = OuterState(DilocoConfig(outer_lr=0.7, outer_momentum=0.9), local)
+    inner_steps(local, 3)
+    averaged = outer.end_phase().clone() * 0.5
+    twin = OuterState(DilocoConfig(outer_lr=0.7, outer_momentum=0.9), local_model())
+    twin.adopt(outer.flat())
+    twin.anchor.copy_(outer.anchor)
+    shared, momentum = outer.shared.clone(), outer.named()[MOMENTUM].clone()
+    update = outer.prepare(averaged)
+    assert not isinstance(update, str)
+    inner_steps(local, 2)  # the next phase goes on meanwhile
+    assert torch.equal(outer.shared, shared) and torch.equal(outer.named()[MOMENTUM], momentum)
+    model, anchor = flat_params(local), outer.anchor.clone()
+    assert outer.commit(update)
+    assert twin.step(averaged) is None  # the same step taken at once, under the lock
+    assert torch.equal(outer.shared, twin.shared) and torch.equal(outer.named()[MOMENTUM], twin.named()[MOMENTUM])
+    assert torch.allclose(flat_params(local), model + (outer.shared - anchor), atol=1e-6)  # progress kept
+    # a state loaded between prepare and commit (a joiner's sync): the update is stale and is not applied
+    stale = outer.prepare(averaged)
+    assert not isinstance(stale, str)
+    outer.adopt(twin.flat())
+    assert not outer.commit(stale)
+    assert torch.equal(outer.shared, twin.shared)
+
+
 def test_inner_step_refuses_a_non_finite_gradient() -> None:
     local = local_model()
     before = flat_params(local)

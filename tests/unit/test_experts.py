@@ -214,6 +214,9 @@ def test_experts_config_uids_and_checks() -> None:
     with pytest.raises(ValueError, match="shorter uids"):
         ExpertsConfig(uids=[f"{'x' * 100}.{i}" for i in range(200)])
     assert len(ExpertsConfig(count=1024).served_uids) == 1024
+    assert ExpertsConfig(max_request_tokens=32768, max_queued_tokens=65536).queued_tokens_per_caller == 32768
+    with pytest.raises(ValueError, match="max_queued_tokens_per_caller"):
+        ExpertsConfig(max_queued_tokens_per_caller=100)  # below one call's max_request_tokens
     with pytest.raises(ValueError, match="k_min"):
         MoEConfig(k=1, k_min=2)
     assert MoEConfig(num_experts=2, uid_prefix="ffn.{layer}.").uids_for(3) == ["ffn.3.0", "ffn.3.1"]

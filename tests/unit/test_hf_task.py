@@ -228,3 +228,20 @@ def test_a_data_set_by_id_streams_its_rows(assets: dict[str, Path], tmp_path: Pa
     with pytest.raises(ConfigError, match="data.dataset '/no/such/dataset' could not be read") as info:
         build(options(assets, data={"dataset": "/no/such/dataset"}))
     assert field_of(info) == "training.task.options.data.dataset"
+
+
+def test_text_that_is_not_utf8_is_named_or_read_with_replacement_characters(
+    assets: dict[str, Path], tmp_path: Path
+) -> None:
+    latin = tmp_path / "latin.txt"
+    lines = sentences(600)
+    latin.write_bytes("".join(line + "\n" for line in lines[:3]).encode() + "caf\xe9\n".encode("latin-1")
+                      + "".join(line + "\n" for line in lines[3:]).encode())
+    data = {"files": [str(latin)], "text_block_chars": 256}
+    with pytest.raises(ConfigError) as info:
+        build(options(assets, data=data))
+    message = str(info.value)
+    assert field_of(info) == "training.task.options.data.files", message
+    assert "latin.txt: not readable as text" in message and "encoding_errors: replace" in message, message
+    task = build(options(assets, data={**data, "encoding_errors": "replace"}))
+    assert next(task.train_batches()).shape == (4, 32)

@@ -85,7 +85,19 @@ def test_metrics_parse_carry_the_prefix_and_reflect_the_snapshot() -> None:
     assert samples[(f"{hist}_count", ())] == 4 and math.isclose(samples[(f"{hist}_sum", ())], 100.62)
     assert samples[("peerd_expert_calls_total", ())] == 0
     assert samples[("peerd_expert_call_errors_total", ())] == 0
+    assert samples[("peerd_averaging_round_sent_bytes", ())] == 1000
+    assert samples[("peerd_averaging_round_received_bytes", ())] == 900
+    assert ("peerd_averaging_codec_density", ()) not in samples  # blockwise8: no density to report
     assert samples[("peerd_process_resident_memory_bytes", (("process", "daemon"),))] > 10 * 2**20
+
+
+def test_the_codec_scheme_density_and_value_bits_are_reported() -> None:
+    training = {**fake_training(), "codec_scheme": "topk", "codec_kernel": "avx2", "codec_density": 0.0156,
+                "codec_value_bits": 2}
+    _, samples = parse(DaemonMetrics().render(fake_status(training)))
+    assert samples[("peerd_averaging_codec_info", (("kernel", "avx2"), ("scheme", "topk")))] == 1
+    assert samples[("peerd_averaging_codec_density", ())] == 0.0156
+    assert samples[("peerd_averaging_codec_value_bits", ())] == 2
 
 
 def test_membership_refusals_are_counted_by_reason() -> None:

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from peerd.averaging.aggregation import around, clip_coefficients, equalized_coefficients, medoid_of
+from peerd.averaging.group import STATE_KIND, is_state_round, round_key
+from peerd.averaging.matchmaking import group_id
 from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
 from peerd.averaging.verify.disputes import Judgment, judge_chunk
 from peerd.averaging.verify.keys import KeyBook
-from peerd.averaging.verify.payloads import view
+from peerd.averaging.verify.payloads import bounded, checks_averages, view
 from peerd.averaging.verify.proofs import bad_reduction, check_proof, false_samples, read_statement
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import parse_statement, sign_statement
@@ -50,7 +52,7 @@ def publish(span: Span, coefficients: list[float]) -> None:
     span.coefficients = coefficients
     exact = (torch.tensor(coefficients, dtype=torch.float64) @ span.decoded.double()).float()
     span.out_payload = bytes(codec.encode(exact, span.config.codec))
-    span.out = codec.decode(span.out_payload, peer_id="test")
+    span.out = codec.decode(span.out_payload, peer_id="test", expected_shape=(NUMEL,))
     span.out_signature = span.sign_output(span.out_payload)
 
 
@@ -206,3 +208,58 @@ def test_a_statement_whose_copies_do_not_fit_its_rows_is_refused() -> None:
         with pytest.raises(ProtocolViolation, match="copies that do not fit"):
             parse_statement(sign_statement(span.signing[0], message), span.group, 0, NUMEL,
                             span.config.chunk_numel, KeyBook())
+
+
+STATE_ROUND = "run.state.30/0123456789ab"  # a state-averaging round's id: members hold one state bit for bit
+
+
+def test_a_round_kind_is_read_from_its_id() -> None:
+    assert is_state_round(STATE_ROUND) and is_state_round(group_id(round_key("my.state.run", STATE_KIND, 3), ()))
+    for gradient in ("round", "run.grad.30/0123", "run.outer.4/ab", "my.state.run.grad.3/ab", "run.state.x/ab"):
+        assert not is_state_round(gradient), gradient
+
+
+@pytest.mark.parametrize("rule", ROBUST)
+def test_agreeing_members_outvote_a_liar_in_a_state_round_and_their_reducer_is_not_convicted(rule: str) -> None:
+    """Three members send one state bit for bit, the fourth -1000x it: in a state round the three are members
+    that agree, not copies, so their row is the average, and every check and dispute finds the reducer right.
+    In a gradient round the same rows are one member's copies and a pair is equalized (the other tests)."""
+    lossless = CodecConfig(lossless=True, error_feedback=False)
+    state = rows_of(1)[0]
+    span = Span(torch.stack([state, state, state, -1000 * state]), rule, codec=lossless, round_id=STATE_ROUND)
+    assert span.same_as is None  # no copies
+    assert torch.allclose(span.out, state, rtol=1e-5, atol=1e-6), float((span.out - state).abs().max())
+    check(span)
+    assert judge(span) == Judgment()
+    assert proven(span) is None
+    gradient = Span(span.rows, rule, codec=lossless)
+    assert gradient.same_as == [0, 0, 0, 3]  # the same rows in a gradient round: copies
+
+
+def test_a_state_round_statement_declaring_copies_is_refused() -> None:
+    """A reducer cannot count agreeing members once in a state round (the liar's row would then be half the
+    say): the round's id, which every member signs, says there are no copies."""
+    span = Span(rows_of(1)[[0, 0, 0]], "centered_clip", codec=CodecConfig(lossless=True, error_feedback=False),
+                round_id=STATE_ROUND)
+    message = pb.SpanStatement.FromString(span.statement().signed.body)
+    message.chunks[0].same_as[:] = [0, 0, 0]
+    with pytest.raises(ProtocolViolation, match="copies in a state round"):
+        parse_statement(sign_statement(span.signing[0], message), span.group, 0, NUMEL, span.config.chunk_numel,
+                        KeyBook())
+
+
+@pytest.mark.parametrize("scheme", ["topk", "blockwise2"])
+def test_an_average_coded_with_error_feedback_is_left_unchecked_and_its_reducer_never_convicted(scheme: str) -> None:
+    """A top-k (or 2-bit) average carries most of what it drops into the reducer's next round: honest, it may be
+    far from the exact one, by a residual only the reducer holds. Members that code so themselves apply it
+    unchecked; those that check every average (8-bit, exact) refuse it; a dispute never convicts its reducer."""
+    narrow = CodecConfig(scheme=scheme, min_compress_numel=0)  # type: ignore[arg-type]
+    rows = rows_of(4)
+    span = Span(rows, "centered_clip", codec=narrow, residual=rows[0] * 3)
+    payload = view(span.out_payload)
+    assert not bounded(payload) and not checks_averages(narrow)
+    assert checks_averages(CodecConfig()) and checks_averages(CodecConfig(lossless=True))
+    with pytest.raises(Inconsistent):  # what a member that checks it would find: so it does not apply it
+        check(span)
+    assert judge(span) == Judgment()
+    assert proven(span) is None

@@ -10,9 +10,9 @@ import blake3
 import torch
 
 from peerd.averaging.aggregation import combine
-from peerd.averaging.group import Group
+from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import clamp_residual, envelope, view
+from peerd.averaging.verify.payloads import checks_averages, clamp_residual, envelope, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
 from peerd.averaging.verify.statement import (
@@ -44,6 +44,7 @@ class Span:
     residual: torch.Tensor | None = None  # the reducer's carried residual
     seed: bytes = SEED
     codec: CodecConfig = field(default_factory=lambda: CODEC)  # lossless: state averaging's rounds
+    round_id: str = "round"  # a gradient round's; '<prefix>.state.<step>/<digest>' for a state round's
     config: AveragingConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,10 +52,10 @@ class Span:
         self.config = AveragingConfig(aggregation=self.rule, codec=self.codec, chunk_numel=max(numel, 1024))  # type: ignore[arg-type]
         self.identities = signers(n)
         self.signing = [SigningKey(identity) for identity in self.identities]
-        self.group = Group("round", tuple(i.peer_id for i in self.identities))
+        self.group = Group(self.round_id, tuple(i.peer_id for i in self.identities))
         self.weights = self.weights or [1.0] * n
         self.payloads = [bytes(codec.encode(row, self.codec)) for row in self.rows]
-        self.decoded = torch.stack([codec.decode(p, peer_id="test") for p in self.payloads])
+        self.decoded = torch.stack([codec.decode(p, peer_id="test", expected_shape=(numel,)) for p in self.payloads])
         self.randomness = RoundRandomness(self.seed, self.config.chunk_numel)
         self.average()
 
@@ -62,7 +63,8 @@ class Span:
         """What the reducer computes, codes and signs; ``lie``: added to the average before it is coded."""
         out = torch.empty(self.rows.shape[1])
         combined = combine(self.rule, self.decoded.clone(), list(self.weights or []), out,
-                           self.config.max_weight_ratio, self.config.clip_radius, self.config.clip_iterations)
+                           self.config.max_weight_ratio, self.config.clip_radius, self.config.clip_iterations,
+                           is_state_round(self.round_id))
         self.coefficients, self.medoid, self.gram = combined.coefficients, combined.medoid, combined.gram
         self.norms, self.same_as = combined.norms, combined.same_as
         if self.rule == "mean":  # the reducer's streaming mean takes the claims as they are
@@ -72,7 +74,7 @@ class Span:
         if lie is not None:
             out += lie
         residual = self.residual.clone() if self.residual is not None else None
-        if residual is not None:
+        if residual is not None and checks_averages(self.codec):  # as the reducer does
             clamp_residual(out, residual, CODEC.block_size, int8=not self.codec.lossless)
         self.out_payload = bytes(encode_with_feedback(out, self.codec, "reducer", carried=residual,
                                                       dropped=residual, decoded=out)[0])
@@ -80,17 +82,17 @@ class Span:
         self.out_signature = self.sign_output(self.out_payload)
 
     def sign_output(self, payload: bytes) -> bytes:
-        return self.signing[0].sign(OUTPUT, *output_parts("round", 0, 0, blake3.blake3(payload).digest()))
+        return self.signing[0].sign(OUTPUT, *output_parts(self.round_id, 0, 0, blake3.blake3(payload).digest()))
 
     def statement(self, edit: pb.SpanStatement | None = None) -> Statement:
         n, numel = self.rows.shape
-        message = pb.SpanStatement(round_id="round", span_index=0, span_numel=numel,
+        message = pb.SpanStatement(round_id=self.round_id, span_index=0, span_numel=numel,
                                    chunk_numel=self.config.chunk_numel, members=list(self.group.members),
                                    rule=self.rule, reducer=self.signing[0].credentials)
         for rank in range(n):
             hashes = [blake3.blake3(self.payloads[rank]).digest()]
             seal = b"" if rank == 0 else self.signing[rank].sign(SEAL, *seal_parts(
-                "round", 0, numel, self.config.chunk_numel, (self.weights or [])[rank], hashes))
+                self.round_id, 0, numel, self.config.chunk_numel, (self.weights or [])[rank], hashes))
             message.rows.add(rank=rank, weight=(self.weights or [])[rank], chunk_hashes=hashes, seal=seal,
                              credentials=self.signing[rank].credentials)
         record = message.chunks.add(included=list(range(n)), coefficients=self.coefficients or [],
@@ -111,9 +113,9 @@ class Span:
         decoded = self.decoded[rank] if row is None else row
         numel = decoded.numel()
         bound = envelope(view(self.payloads[rank]), decoded, CODEC.block_size)
-        signed = build_samples(self.signing[rank], "round", self.randomness, {0: OwnRow(decoded, [(0, numel)],
+        signed = build_samples(self.signing[rank], self.round_id, self.randomness, {0: OwnRow(decoded, [(0, numel)],
                                [bound])}, self.rule != "mean", {})
-        return parse_samples(signed, self.group.members[rank], "round", self.seed, {0: [(0, numel)]},
+        return parse_samples(signed, self.group.members[rank], self.round_id, self.seed, {0: [(0, numel)]},
                              CODEC.block_size, KeyBook())
 
     def all_samples(self) -> dict[int, MemberSamples]:

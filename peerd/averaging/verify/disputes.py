@@ -25,11 +25,11 @@ import blake3
 import torch
 
 from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, distinct
-from peerd.averaging.group import Group
+from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
 from peerd.averaging.verify.keys import KeyBook
-from peerd.averaging.verify.payloads import TINY, envelope, error_bound, view
+from peerd.averaging.verify.payloads import TINY, bounded, envelope, error_bound, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import OUTPUT, SEAL, Chunk, Statement, output_parts, seal_parts
@@ -136,8 +136,10 @@ def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Te
         average = codec.decode(out, peer_id=statement.reducer, expected_shape=(rows.shape[1],))
     except CodecError as e:
         return f"its signed average does not decode: {e.message}"
+    if not bounded(view(out)):
+        return None  # an honest average coded so may be anywhere its residual put it: nothing to prove
     try:
-        if statement.rule != "mean" and not _robust_numbers(chunk, raw):
+        if statement.rule != "mean" and not _robust_numbers(chunk, raw, is_state_round(statement.round_id)):
             return None  # the rows overflow float32's Gram matrix: no rule's numbers can be checked here
         coefficients = coefficients_of(statement, chunk, config)
     except ValueError as e:
@@ -158,15 +160,16 @@ def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Te
     return None
 
 
-def _robust_numbers(chunk: Chunk, raw: torch.Tensor) -> bool:
+def _robust_numbers(chunk: Chunk, raw: torch.Tensor, agreeing: bool) -> bool:
     """Checks a robust rule's published copies, norms and Gram matrix against the rows (float32, as the
     reducer held them): ValueError naming the first that is not theirs; False if the rows overflow float32's
-    Gram matrix (nothing can be checked then), else True."""
+    Gram matrix (nothing can be checked then), else True. ``agreeing``: a state round, which has no copies."""
     gram = (raw @ raw.t()).double()  # as the reducer computes it
     if not bool(gram.isfinite().all()):
         return False
-    if distinct(raw, gram) != chunk.same_as:  # exact: torch.equal on the rows, as the reducer compares them
-        raise ValueError(f"its statement's copies {chunk.same_as} are not its rows' {distinct(raw, gram)}")
+    copies = list(range(raw.shape[0])) if agreeing else distinct(raw, gram)  # exact, as the reducer compares
+    if copies != chunk.same_as:
+        raise ValueError(f"its statement's copies {chunk.same_as} are not its rows' {copies}")
     kept = chunk.distinct
     if chunk.norms is not None:
         exact = gram.diagonal()[kept]

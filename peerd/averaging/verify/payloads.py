@@ -10,6 +10,12 @@
   peerd applies is, element by element, a convex combination of the members' rows, so an average's envelope
   stays within its coefficients' combination of the rows' envelopes: a lie concentrated on a few elements the
   sampled coordinates miss still shows there if it is large.
+
+Only averages coded exactly, in fp16 or in 8-bit blocks have a bound (:func:`bounded`). The narrower schemes
+(4 and 2 bits, top-k) work only with error feedback carrying most of what a round drops into the next, so an
+honest reducer's coded average may be far from its exact one, by a residual nobody else holds: no member can
+tell such an average from a lie, and none applies one unchecked unless it codes that way itself
+(``round.RoundVerification``).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from peerd.config import CodecConfig
 from peerd.wire.codec import HEADER, MIN_SCALE, Scheme
 
-__all__ = ["COARSE_BLOCKS", "PayloadView", "clamp_residual", "envelope", "error_bound", "view"]
+__all__ = ["COARSE_BLOCKS", "PayloadView", "bounded", "checks_averages", "clamp_residual", "envelope", "error_bound",
+           "view"]
 
 COARSE_BLOCKS = 32
 ERROR_SLACK = 1.01  # |average - exact| <= 1.002 scales with the clamped residual; bf16 scales round up
@@ -46,6 +54,18 @@ def view(payload: bytes | bytearray) -> PayloadView:
     nblocks = -(-numel // block)
     raw = torch.frombuffer(bytearray(payload[head : head + 2 * nblocks]), dtype=torch.bfloat16)
     return PayloadView(Scheme.INT8_BLOCKWISE, numel, block, raw.float())
+
+
+def bounded(payload: PayloadView) -> bool:
+    """Whether an honest reducer's average coded as ``payload`` is within a known bound of its exact one."""
+    return payload.scheme in (Scheme.RAW, Scheme.FP16, Scheme.INT8_BLOCKWISE)
+
+
+def checks_averages(codec: CodecConfig) -> bool:
+    """Whether a peer coding with ``codec`` codes every average it reduces within a bound (:func:`bounded`),
+    and so checks every average it applies: exact or 8-bit codes, not the narrower ones error feedback
+    carries."""
+    return codec.lossless or codec.scheme == "blockwise8"
 
 
 def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peerd.averaging.group import Group
+from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
 from peerd.averaging.verify.disputes import judge_chunk, output_signed
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import view
+from peerd.averaging.verify.payloads import bounded, checks_averages, view
 from peerd.averaging.verify.proofs import Evidence, bad_reduction, equivocation, false_samples, two_averages
 from peerd.averaging.verify.randomness import RoundRandomness, commitment, new_share, round_seed
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
@@ -48,6 +48,7 @@ class Verdict:
     reason: str = ""
     challenge: int | None = None  # a chunk whose rows would show who lied (or an audit of one that passed)
     void: list[int] = field(default_factory=list)
+    unchecked: list[int] = field(default_factory=list)  # chunks coded without a bound, applied as this peer codes
 
 
 class RoundVerification:
@@ -198,7 +199,7 @@ class RoundVerification:
         verdict = await asyncio.to_thread(self._check, statement, randomness)
         logger.debug("Round %s: span %d checked in %.1f ms", self.group.round_id, span,
                      1000 * (time.monotonic() - started))
-        checked = [i for i, chunk in enumerate(statement.chunks) if not chunk.void]
+        checked = [i for i, chunk in enumerate(statement.chunks) if not chunk.void and i not in verdict.unchecked]
         if verdict.apply and verdict.challenge is None and checked and \
                 _AUDIT.random() < self.config.verification.audit_probability:
             verdict.challenge = _AUDIT.choice(checked)  # drawn here, after the seed: nobody can foresee it
@@ -222,7 +223,9 @@ class RoundVerification:
         start, _ = self.spans[span]
         by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
         void: list[int] = []
+        unchecked: list[int] = []
         audit: int | None = None
+        agreeing = is_state_round(self.group.round_id)  # identical rows are members there: no copies to hide
         for index, chunk in enumerate(statement.chunks):
             if chunk.void:
                 void.append(index)
@@ -234,18 +237,25 @@ class RoundVerification:
                 row = statement.rows[self.rank]
                 if row.hashes != self.own_hashes.get(span, [])[: len(row.hashes)] or row.weight != self.own_weight:
                     return Verdict(False, "its statement misstates this member's row", index)
+            payload = view(output[0])
+            if not bounded(payload):
+                if checks_averages(self.config.codec):
+                    return Verdict(False, f"its average of chunk {index} is coded {payload.scheme.name}, which no "
+                                          f"member can check; this peer applies only averages it checks")
+                unchecked.append(index)  # this peer codes that way itself: it takes the averages on trust
+                continue
             missing = [r for r in chunk.included if statement.span not in by_rank[r].spans]
             if missing:
                 return Verdict(False, f"no samples of span {span} from ranks {missing}")
             a, b = self.layout[span][index]
             out = self.result[start + a : start + b]
             try:
-                check_chunk(statement, index, by_rank, out, view(output[0]), randomness, self.config)
+                check_chunk(statement, index, by_rank, out, payload, randomness, self.config)
             except Inconsistent as e:
                 return Verdict(False, str(e), e.chunk)
-            if audit is None and look_alike(statement, index, by_rank):
+            if audit is None and not agreeing and look_alike(statement, index, by_rank):
                 audit = index
-        return Verdict(True, challenge=audit, void=void)
+        return Verdict(True, challenge=audit, void=void, unchecked=unchecked)
 
     # --- disputes -----------------------------------------------------------------------------------------------
 

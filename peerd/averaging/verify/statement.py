@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from google.protobuf.message import DecodeError
 
-from peerd.averaging.group import Group
+from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey, f64, u64
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -118,15 +118,17 @@ def parse_statement(signed: pb.Signed, group: Group, span: int, numel: int, chun
             raise bad(f"malformed row of rank {row.rank}")
         rows[row.rank] = Row(row.rank, row.weight, list(row.chunk_hashes), row.seal, row.credentials)
     try:
-        chunks = [_chunk(record, index, rows) for index, record in enumerate(message.chunks)]
+        agreeing = is_state_round(group.round_id)
+        chunks = [_chunk(record, index, rows, agreeing) for index, record in enumerate(message.chunks)]
     except ValueError as e:
         raise bad(str(e)) from None
     return Statement(message.round_id, span, numel, chunk_numel, message.rule, reducer, message.reducer, rows, chunks,
                      signed)
 
 
-def _chunk(record: pb.ChunkRecord, index: int, rows: dict[int, Row]) -> Chunk:
-    """One chunk's record; ValueError naming what does not fit."""
+def _chunk(record: pb.ChunkRecord, index: int, rows: dict[int, Row], agreeing: bool) -> Chunk:
+    """One chunk's record; ValueError naming what does not fit. ``agreeing``: a state round, where identical
+    rows are members that agree and a rule counts none as a copy."""
     included = list(record.included)
     n = len(included)
     if any(b <= a for a, b in itertools.pairwise(included)) or any(
@@ -137,6 +139,8 @@ def _chunk(record: pb.ChunkRecord, index: int, rows: dict[int, Row]) -> Chunk:
     same_as = list(record.same_as) or list(range(n))
     if len(same_as) != n or any(first > i or same_as[first] != first for i, first in enumerate(same_as)):
         raise ValueError(f"chunk {index}: copies that do not fit {n} rows")
+    if agreeing and same_as != list(range(n)):
+        raise ValueError(f"chunk {index}: copies in a state round, where identical rows are members that agree")
     k = sum(1 for i, first in enumerate(same_as) if first == i)
     gram = norms = None
     if record.gram:

@@ -12,6 +12,14 @@ const isNumber = (v) => typeof v === "number" && Number.isFinite(v);
 const fmt = (v, digits) => (isNumber(v) ? v.toFixed(digits) : "-");
 const shortId = (id) => (typeof id === "string" && id.length > 16 ? `${id.slice(0, 6)}...${id.slice(-6)}` : String(id));
 
+function codecText(t, last) {
+  // the scheme (top-k with its density and value width), the last round's bytes sent and its coding error
+  const scheme = t.codec_scheme === "topk"
+    ? `top-k ${fmt(100 * t.codec_density, 2)}% at ${t.codec_value_bits} bits` : (t.codec_scheme || "-");
+  const sent = isNumber(last.bytes_sent) ? `, last round ${fmtBytes(last.bytes_sent)} sent` : "";
+  return `${scheme}${sent}, error ${fmt(last.codec_error, 4)}`;
+}
+
 function fmtBytes(n) {
   if (!isNumber(n)) return "-";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -72,7 +80,7 @@ function renderFacts(status) {
       ["trainers", t.peers_training],
       ["rounds", `${t.rounds_ok} averaged, ${t.rounds_solo} solo`],
       ["traffic", `${fmtBytes(t.bytes_sent)} sent, ${fmtBytes(t.bytes_received)} received`],
-      ["codec error", fmt(last.codec_error, 4)],
+      ["codec", codecText(t, last)],
     );
     const foreign = Object.keys(t.foreign_peers || {});
     if (foreign.length) facts.push(["other models", foreign.map(shortId).join(", ")]);

@@ -1,10 +1,14 @@
 """Server-side batching: concurrent calls to the same (expert, pass) are computed as one batch.
 
-Calls queue per (expert, pass). The first call of an idle queue schedules a batch on the server's compute
-threads (after ``experts.batch_wait`` seconds, 0 by default); when the batch starts it takes every call that
-queued up meanwhile, up to ``experts.max_request_tokens`` tokens, so the busier the expert the larger its
-batches. Payloads are decoded and validated on the compute thread, each call on its own: one caller's
-malformed tensor fails only that call. Results go back to the event loop through futures.
+Calls queue per (expert, pass), and within that per caller. The first call of an idle queue schedules a batch
+on the server's compute threads (after ``experts.batch_wait`` seconds, 0 by default); when the batch starts it
+takes the calls that queued up meanwhile, up to ``experts.max_request_tokens`` tokens, one call of each caller
+in turn, so the busier the expert the larger its batches, and a caller with many calls waiting takes no more
+of a batch than one with a single call. One caller's calls wait for at most
+``experts.max_queued_tokens_per_caller`` tokens at once: the rest of the queue stays open to the others. A
+backward call's output gradients are bounded against other callers' (:mod:`peerd.experts.server.shares`).
+Payloads are decoded and validated on the compute thread, each call on its own: one caller's malformed tensor
+fails only that call. Results go back to the event loop through futures.
 
 A forward call with a call id has its activations kept (:mod:`peerd.experts.server.stash`): its autograd graph when
 it was computed on its own, its inputs when it shared a batch with other callers' calls (one graph cannot be
@@ -17,6 +21,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ import torch
 from peerd.errors import CodecError
 from peerd.experts.calls import CallResult, wire_codec
 from peerd.experts.server.backend import BackwardItem, ExpertBackend, ExpertFailure
+from peerd.experts.server.shares import CallerGradients
 from peerd.experts.server.stash import ActivationStash
 from peerd.experts.server.workers import Job, Workers
 from peerd.proto import peerd_experts_pb2 as pb
@@ -56,7 +62,12 @@ class BatchQueue:
         max_queued_tokens: int,
         wait: float,
         stash: ActivationStash | None = None,
+        *,
+        max_queued_per_caller: int | None = None,
+        gradients: CallerGradients | None = None,
     ) -> None:
+        """``max_queued_per_caller``: tokens one caller may have waiting (None: ``max_queued_tokens``);
+        ``gradients``: the bound on backward calls' output gradients (None: none)."""
         self.backend = backend
         self._stash = stash if stash is not None and stash.enabled else None
         self.phase = phase
@@ -64,20 +75,26 @@ class BatchQueue:
         self._loop = loop
         self._max_batch = max_batch_tokens
         self._max_queued = max_queued_tokens
+        self._max_per_caller = max_queued_tokens if max_queued_per_caller is None else max_queued_per_caller
+        self._gradients = gradients
         self._wait = wait
-        self._calls: list[PendingCall] = []
+        self._calls: OrderedDict[str, deque[PendingCall]] = OrderedDict()  # per caller, next to serve first
         self._queued_tokens = 0
+        self._queued_by: Counter[str] = Counter()
         self._scheduled = False
         self._closed = False
         self._mutex = threading.Lock()  # the loop thread appends, a compute thread takes
 
     def submit(self, call: PendingCall) -> bool:
-        """Queues ``call`` (event loop thread); False if the expert already has too many tokens waiting."""
+        """Queues ``call`` (event loop thread); False if the expert, or this caller, already has too many tokens
+        waiting."""
         with self._mutex:
-            if self._closed or self._queued_tokens + call.num_tokens > self._max_queued:
+            if self._closed or self._queued_tokens + call.num_tokens > self._max_queued \
+                    or self._queued_by[call.peer] + call.num_tokens > self._max_per_caller:
                 return False
-            self._calls.append(call)
+            self._calls.setdefault(call.peer, deque()).append(call)
             self._queued_tokens += call.num_tokens
+            self._queued_by[call.peer] += call.num_tokens
             if self._scheduled:
                 return True
             self._scheduled = True
@@ -86,6 +103,11 @@ class BatchQueue:
         else:
             self._launch()
         return True
+
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of the calls waiting for a batch (read by the status; a torn read is harmless)."""
+        return self._queued_tokens
 
     def _launch(self) -> None:
         try:
@@ -96,18 +118,30 @@ class BatchQueue:
     def close(self, reason: str) -> None:
         with self._mutex:
             self._closed = True
-            calls, self._calls, self._queued_tokens = self._calls, [], 0
+            calls = [call for queued in self._calls.values() for call in queued]
+            self._calls, self._queued_tokens = OrderedDict(), 0
+            self._queued_by.clear()
         for call in calls:
             self._resolve(call, CallResult(pb.EXPERT_SHUTTING_DOWN, reason))
 
     def _take(self) -> list[PendingCall]:
+        """The next batch: one call of each caller in turn, until the next one would overflow it."""
         with self._mutex:
             taken: list[PendingCall] = []
             tokens = 0
-            while self._calls and (not taken or tokens + self._calls[0].num_tokens <= self._max_batch):
-                call = self._calls.pop(0)
+            while self._calls:
+                peer, queued = next(iter(self._calls.items()))
+                if taken and tokens + queued[0].num_tokens > self._max_batch:
+                    break
+                call = queued.popleft()
                 taken.append(call)
                 tokens += call.num_tokens
+                self._queued_by[peer] -= call.num_tokens
+                del self._calls[peer]
+                if queued:  # to the back of the line: the next call is the next caller's
+                    self._calls[peer] = queued
+                else:
+                    del self._queued_by[peer]
             self._queued_tokens -= tokens
             return taken
 
@@ -196,6 +230,8 @@ class BatchQueue:
 
     def _backward_item(self, call: PendingCall, tensors: list[torch.Tensor]) -> BackwardItem | None:
         """The call's share of the batch, or None after answering it (activations gone or mismatched)."""
+        if self._gradients is not None:  # the output gradients: the last payload, with or without the inputs
+            tensors = [*tensors[:-1], self._gradients.bound(call.peer, tensors[-1])]
         if not call.call_id:
             return BackwardItem(tensors[0], tensors[1])
         kept = None if self._stash is None else self._stash.take((self.backend.uid, call.peer, call.call_id))

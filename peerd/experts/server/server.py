@@ -24,6 +24,7 @@ from peerd.experts.server.backend import ExpertBackend
 from peerd.experts.server.batching import BatchQueue, PendingCall
 from peerd.experts.server.headers import check_header, oversized_payload
 from peerd.experts.server.modules import build_expert
+from peerd.experts.server.shares import CallerGradients
 from peerd.experts.server.stash import ActivationStash
 from peerd.experts.server.workers import Workers
 from peerd.experts.stats import latency_histogram
@@ -71,6 +72,7 @@ class ExpertServer:
         self._workers = Workers(config.threads)
         self.stash = ActivationStash(config.keep_activations_tokens, config.keep_activations_ttl)
         loop = asyncio.get_running_loop()
+        self.gradients = {uid: CallerGradients(config.max_caller_gradient_ratio) for uid in backends}
         self._queues = {
             (uid, phase): BatchQueue(
                 backend,
@@ -81,6 +83,8 @@ class ExpertServer:
                 config.max_queued_tokens,
                 config.batch_wait,
                 self.stash,
+                max_queued_per_caller=config.queued_tokens_per_caller,
+                gradients=self.gradients[uid] if phase == "backward" else None,
             )
             for uid, backend in backends.items()
             for phase in ("forward", "backward")
@@ -245,8 +249,8 @@ class ExpertServer:
             self.backends[request.expert_uid].stats[phase].failed("overloaded")
             return CallResult(
                 pb.EXPERT_OVERLOADED,
-                f"expert {request.expert_uid} has more than "
-                f"{self.config.max_queued_tokens} tokens queued; retry later",
+                f"expert {request.expert_uid} has more than {self.config.max_queued_tokens} tokens queued, or "
+                f"{self.config.queued_tokens_per_caller} of this caller's; retry later",
             )
         return await future
 
@@ -260,7 +264,10 @@ class ExpertServer:
             "rejected_calls": self.rejected,
             "kept_activations": self.stash.status(),
             "last_rejection": self.last_rejection,
-            "experts": {uid: backend.status() for uid, backend in self.backends.items()},
+            "experts": {uid: {**backend.status(), "scaled_gradient_calls": self.gradients[uid].scaled,
+                              "queued_tokens": sum(self._queues[(uid, phase)].queued_tokens
+                                                   for phase in ("forward", "backward"))}
+                        for uid, backend in self.backends.items()},
         }
 
     def totals(self) -> tuple[int, int]:

@@ -4,6 +4,7 @@ are imported only when this task is built, so light peers never load them."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,3 +49,10 @@ def require_libraries() -> None:
     # one per stream opened, and freeing them after that manager has exited aborts the process. The task reads
     # arrow tables and needs none of datasets' torch integration.
     datasets.config.TORCH_AVAILABLE = False
+    # Through peerd's log handler, once (datasets also prints its records with a handler of its own); its file
+    # loaders log an ERROR right before raising, which the data pipeline turns into one line naming the file.
+    library = logging.getLogger("datasets")
+    for handler in [h for h in library.handlers if type(h) is logging.StreamHandler]:
+        library.removeHandler(handler)
+    datasets.utils.logging.enable_propagation()
+    logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)

@@ -98,7 +98,9 @@ class Corpus:
         """The rows of ``paths`` as columns, a thousand rows at a time."""
         import datasets
 
-        extra = {"keep_linebreaks": True} if fmt == "text" else {}
+        extra: dict[str, Any] = {}
+        if fmt == "text":
+            extra = {"keep_linebreaks": True, "encoding_errors": self.options.encoding_errors}
         stream = datasets.load_dataset(fmt, data_files=[str(p) for p in paths], split="train", streaming=True,
                                        **extra)
         # arrow tables: datasets' own rows cost a Python dict each, over ten times the reading itself
@@ -140,7 +142,8 @@ class Corpus:
                         return ConfigError(f"data file {path}: record {number} {problem} ({FIELD}.field)",
                                            field=f"{FIELD}.field", path=str(path))
             except Exception as e:  # noqa: BLE001 - whatever it is, it is this file's, and the message says so
-                return ConfigError(f"data file {path}: not readable as {fmt}: {_first_line(e)}",
+                hint = f" ({FIELD}.encoding_errors: replace reads on)" if isinstance(e, UnicodeDecodeError) else ""
+                return ConfigError(f"data file {path}: not readable as {fmt}: {_first_line(e)}{hint}",
                                    field=f"{FIELD}.files", path=str(path))
         names = ", ".join(str(path) for path in paths[:3]) + (", ..." if len(paths) > 3 else "")
         return ConfigError(f"data files {names}: not readable as {fmt}: {_first_line(error)}", field=f"{FIELD}.files")

@@ -41,6 +41,11 @@ class DataOptions(BaseModel):
         description="'text': plain text; 'json': JSON lines, one record each; 'parquet'. 'auto': by extension "
         "(.jsonl/.json, .parquet, anything else text).",
     )
+    encoding_errors: Literal["strict", "replace"] = Field(
+        default="strict",
+        description="Plain text is read as UTF-8. 'strict': a file that is not stops training with an error "
+        "naming it; 'replace': its undecodable bytes become U+FFFD and reading goes on.",
+    )
     field: str = Field(default="text", min_length=1, description="The record field holding the text (json, "
                        "parquet, Hub data sets).")
     dataset: str | None = Field(default=None, description="A Hub data set id instead of files.")

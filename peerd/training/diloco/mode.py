@@ -1,10 +1,10 @@
 """diloco's mode: inner steps alone, then phase ends and outer rounds, at most one round in flight.
 
 Ending a phase takes its pseudo-gradient and moves the phase counter on at once. The round (matchmaking,
-the 8-bit all-reduce of the pseudo-gradients, the outer step and its fold) then runs in the background while
-the next phase computes (``training.diloco.overlap``), or before it (overlap off). A phase that ends while the
-previous round is still in flight waits for it first; a round is bounded by the matchmaking and round
-timeouts, so a dead peer holds nobody for longer.
+the all-reduce of the pseudo-gradients, the outer step) then runs in the background while the next phase
+computes (``training.diloco.overlap``), which pauses only for the outer step's fold into the model; or
+before it (overlap off). A phase that ends while the previous round is still in flight waits for it first; a
+round is bounded by the matchmaking and round timeouts, so a dead peer holds nobody for longer.
 
 A training state holds the shared parameters and outer momentum besides the model and the inner optimizer. A
 joiner loads the shared parameters and outer momentum the group agreed on after a round and starts the phase
@@ -19,6 +19,8 @@ import logging
 
 import torch
 
+from peerd import threads
+from peerd.averaging.group import round_key
 from peerd.training.diloco.outer import OuterState
 from peerd.training.modes import Host, Mode
 from peerd.training.progress import SwarmProgress
@@ -83,10 +85,10 @@ class DilocoMode(Mode):
         phase, weight = h.step, float(h.samples)
         async with h.step_lock:
             # a phase the swarm ended between inner steps: the gradients accumulated so far still count
-            refused = await asyncio.to_thread(self._inner_step)
+            refused = await threads.run(self._inner_step)
             if refused is not None:
                 logger.error("Phase %d, last inner step: not applied: %s", phase, refused)
-            pseudo = await asyncio.to_thread(self.outer.end_phase)
+            pseudo = await threads.run(self.outer.end_phase)
             h.step, h.samples, h.report.inner_steps = phase + 1, 0, 0
         h.report.step = h.step
         outer_round = self._round(phase, pseudo, weight, expected)
@@ -103,11 +105,18 @@ class DilocoMode(Mode):
     async def _round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: int) -> None:
         h = self.host
         averaged = await h.rounds.average(
-            f"{h.prefix}.outer.{phase}", pseudo, weight, expected, residual=h.local.residual,
+            round_key(h.prefix, "outer", phase), pseudo, weight, expected, residual=h.local.residual,
             average_residual=h.local.average_residual, out=self.outer.averaged,
             window=h.config.diloco.matchmaking_window, what=f"Phase {phase}")
-        async with h.step_lock:
-            refused = await asyncio.to_thread(self.outer.step, averaged)
+        # the outer step off the lock, beside the next phase's inner steps; only its fold into the model stops them
+        update = await threads.run(self.outer.prepare, averaged)
+        if isinstance(update, str):
+            refused: str | None = update
+        else:
+            async with h.step_lock:
+                committed = await threads.run(self.outer.commit, update)
+                # a state loaded meanwhile made the update stale: step from that state instead
+                refused = None if committed else await threads.run(self.outer.step, averaged)
         if refused is not None:
             logger.error("Phase %d: outer update not applied: %s", phase, refused)
             h.report.steps_refused += 1

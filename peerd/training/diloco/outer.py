@@ -15,6 +15,8 @@ any inner step, so the local parameters simply become theta.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from peerd.config.diloco import DilocoConfig
@@ -24,6 +26,15 @@ from peerd.training.local import LocalModel
 SHARED, MOMENTUM = "outer/shared", "outer/momentum"
 
 
+class OuterUpdate(NamedTuple):
+    """An outer step computed beside the state it moves: the state's next shared parameters and momentum, and
+    the generation of the state they were computed from (a state loaded meanwhile makes them stale)."""
+
+    shared: torch.Tensor
+    momentum: torch.Tensor | None
+    generation: int
+
+
 class OuterState:
     def __init__(self, config: DilocoConfig, local: LocalModel) -> None:
         self.local = local
@@ -31,19 +42,12 @@ class OuterState:
         with torch.no_grad():
             self.shared = torch.cat([p.detach().reshape(-1) for p in local.params]).to(device)
         self.anchor = self.shared.clone()
-        self.optimizer = torch.optim.SGD(
-            [self.shared], lr=config.outer_lr, momentum=config.outer_momentum,
-            nesterov=config.nesterov and config.outer_momentum > 0,
-        )
-        if config.outer_momentum > 0:  # created now so a state has the same tensors before and after round 1
-            self.optimizer.state[self.shared]["momentum_buffer"] = torch.zeros_like(self.shared)
+        self.config = config
+        # created now so a state has the same tensors before and after round 1
+        self.momentum = torch.zeros_like(self.shared) if config.outer_momentum > 0 else None
         self.pseudo = host_buffer(local.numel, device)  # what this peer sends
         self.averaged = host_buffer(local.numel, device)  # what the group sends back
-
-    @property
-    def momentum(self) -> torch.Tensor | None:
-        buffer = self.optimizer.state.get(self.shared, {}).get("momentum_buffer")
-        return buffer if isinstance(buffer, torch.Tensor) else None
+        self._generation = 0  # moves on whenever the shared state changes (see OuterUpdate)
 
     def end_phase(self) -> torch.Tensor:
         """The phase's pseudo-gradient ``anchor - local``, in the reused CPU buffer; the anchor moves to the
@@ -59,21 +63,40 @@ class OuterState:
     def step(self, averaged: torch.Tensor) -> str | None:
         """Moves the shared parameters by the group's average pseudo-gradient, then folds; None if done, else
         why not (a non-finite average or result is refused: theta, momentum and the model stay as they were)."""
+        update = self.prepare(averaged)
+        if isinstance(update, str):
+            return update
+        committed = self.commit(update)
+        assert committed  # nothing changed the state in between
+        return None
+
+    def prepare(self, averaged: torch.Tensor) -> OuterUpdate | str:
+        """The shared parameters and momentum after the outer step, in new tensors (this state unchanged), or
+        why there are none. It reads only the shared state, which the inner steps never touch: the trainer
+        runs it while the next phase computes, and holds its step lock only for :meth:`commit`."""
         if not bool(torch.isfinite(averaged).all()):
             return "the averaged pseudo-gradient holds NaN/Inf"
-        before = self.shared.clone()
-        momentum = self.momentum
-        saved_momentum = momentum.clone() if momentum is not None else None
-        self.shared.grad = self.local.to_device(averaged)
-        self.optimizer.step()
-        self.shared.grad = None
-        if not bool(torch.isfinite(self.shared).all()) or (momentum is not None and not bool(torch.isfinite(momentum).all())):
-            self.shared.copy_(before)
-            if momentum is not None and saved_momentum is not None:
-                momentum.copy_(saved_momentum)
-            return "the outer step would have made the shared parameters non-finite; undone"
+        shared = self.shared.clone()
+        momentum = self.momentum.clone() if self.momentum is not None else None
+        optimizer = torch.optim.SGD([shared], lr=self.config.outer_lr, momentum=self.config.outer_momentum,
+                                    nesterov=self.config.nesterov and self.config.outer_momentum > 0)
+        if momentum is not None:
+            optimizer.state[shared]["momentum_buffer"] = momentum
+        shared.grad = self.local.to_device(averaged)
+        optimizer.step()
+        shared.grad = None
+        if not bool(torch.isfinite(shared).all()) or (momentum is not None and not bool(torch.isfinite(momentum).all())):
+            return "the outer step would have made the shared parameters non-finite; not applied"
+        return OuterUpdate(shared, momentum, self._generation)
+
+    def commit(self, update: OuterUpdate) -> bool:
+        """Makes a prepared update the shared state and folds it into the model; False (nothing done) if the
+        shared state changed since it was prepared from it (a state loaded meanwhile): prepare again."""
+        if update.generation != self._generation:
+            return False
+        self.shared, self.momentum = update.shared, update.momentum
         self.fold()
-        return None
+        return True
 
     def fold(self) -> None:
         """Moves the local parameters and the anchor by ``shared - anchor``: the anchor becomes ``shared``."""
@@ -85,6 +108,7 @@ class OuterState:
                 # theta, so every member holds bit-identical weights, not theta up to its own rounding
                 p.copy_(shared + (p - anchor))
             self.anchor.copy_(self.shared)
+        self._generation += 1
 
     def reset_to_local(self) -> None:
         """After a state was loaded into the model: the shared parameters and the anchor are the model's."""
@@ -92,6 +116,7 @@ class OuterState:
             for p, part in flat_views(self.local.params, self.shared):
                 part.copy_(p.detach())
             self.anchor.copy_(self.shared)
+        self._generation += 1
 
     def flat(self) -> torch.Tensor:
         """Shared parameters then momentum, on the CPU: what diloco's state averaging averages."""
@@ -119,6 +144,7 @@ class OuterState:
             for p, part in flat_views(self.local.params, self.shared):
                 p.copy_(part)
             self.anchor.copy_(self.shared)
+        self._generation += 1
 
     def load_named(self, tensors: dict[str, torch.Tensor]) -> None:
         """Loads :meth:`named`'s tensors from a checked state; the next phase is measured from theta."""
@@ -126,6 +152,7 @@ class OuterState:
             for name, live in self.named().items():
                 live.copy_(tensors[name])
             self.anchor.copy_(self.shared)
+        self._generation += 1
 
     def named(self) -> dict[str, torch.Tensor]:
         tensors = {SHARED: self.shared}
