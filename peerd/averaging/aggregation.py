@@ -91,29 +91,42 @@ def around(gram: torch.Tensor, medoid: int) -> torch.Tensor:
     return centered
 
 
+BASE_SAMPLE = 4096
+
+
+def differences(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Turns ``rows`` (members x numel, overwritten) into their differences from a base row, which ``base``
+    receives, and returns the Gram matrix of those differences (float64). Differences, not raw rows: members
+    close to each other keep their distances' precision (from raw rows float32 loses the distances of rows that
+    differ by less than ~1e-3 of their norm, parameters for one). The base is a medoid of at most
+    ``BASE_SAMPLE`` evenly spaced columns of the rows minus row 0, not row 0 itself: from a far row 0 (an
+    outlier's) float32 would lose the other members' distances just the same. A member judging a dispute
+    recomputes it from the same rows with the same operations."""
+    sample = rows[:, :: max(1, rows.shape[1] // BASE_SAMPLE)]
+    first = sample - sample[0]
+    base.copy_(rows[medoid_of((first @ first.t()).double())])
+    rows.sub_(base)
+    return (rows @ rows.t()).double()
+
+
 def centered_clip(
     rows: torch.Tensor, weights: list[float], out: torch.Tensor, radius: float, iterations: int
 ) -> Combined:
     """Writes the CenteredClip aggregate of ``rows`` (members x numel; overwritten) into ``out``.
 
     The iterate stays in the span of the rows, ``v = x_m + sum_j c_j (x_j - x_m)`` around the medoid ``x_m``,
-    so every distance comes from one members x members Gram matrix and the chunk is touched only three times
-    (differences, Gram, result) however many iterations run. The Gram matrix is of the rows minus the first
-    one, not of the raw rows: members close to each other then keep their distances' precision (from raw rows,
-    float32 loses the distances of rows that differ by less than ~1e-3 of their norm, parameters for one, and
-    the medoid would be a guess no member could check).
+    so every distance comes from one members x members Gram matrix (:func:`differences`) and the chunk is
+    touched a few times however many iterations run.
 
     A member still clipped to under ``OUTLIER_KEPT`` of its deviation at the end (over 40 median deviations
     away at the default radius; honest LM gradients kept >= 0.9) is left out and the rest are clipped again:
     clipping alone still lets it pull by the radius times its weight share, every round.
     """
-    out.copy_(rows[0])
-    rows.sub_(out)  # rows[i] = x_i - x_0
-    first = (rows @ rows.t()).double()
-    medoid = medoid_of(first)
-    gram = around(first, medoid)
+    based = differences(rows, out)
+    medoid = medoid_of(based)
+    gram = around(based, medoid)
     coefficients, kept = clip_coefficients(gram, weights, medoid, radius, iterations)
-    # v = x_0 + sum_j a_j (x_j - x_0), the coefficients summing to 1 (row 0 holds zeros after the subtraction)
+    # v = x_b + sum_j a_j (x_j - x_b) for the base row x_b in `out`, the coefficients summing to 1
     out.add_(torch.mv(rows.t(), coefficients.to(rows.dtype)))
     return Combined(kept, weights, coefficients.tolist(), medoid, gram)
 

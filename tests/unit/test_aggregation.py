@@ -192,3 +192,18 @@ def test_agreeing_members_outvote_one_liar_in_state_averaging(rule: str) -> None
     assert torch.equal(agreed, state), rule
     combine(rule, rows.clone(), [1.0] * 4, collapsed, 1.0, AveragingConfig().clip_radius, 3)
     assert torch.linalg.vector_norm(collapsed) < 0.01 * torch.linalg.vector_norm(state), rule
+
+
+def test_an_outlier_in_the_first_row_costs_the_others_no_precision() -> None:
+    """Distances are taken from a base row among the majority: from a -1000x first row, float32 would lose the
+    honest rows' distances to each other and CenteredClip would clip them at random."""
+    generator = torch.Generator().manual_seed(3)
+    common = torch.randn(4096, generator=generator)
+    honest = common + 0.7 * torch.randn(3, 4096, generator=generator)
+    honest *= honest.abs() > honest.abs().quantile(0.75)  # sparse, as top-k rows are
+    rows = torch.cat([-1000 * honest[:1], honest])
+    exact = torch.empty(4096, dtype=torch.float64)
+    centered_clip(rows.double(), [1.0] * 4, exact, 1.0, 20)
+    got = torch.empty(4096)
+    centered_clip(rows.clone(), [1.0] * 4, got, 1.0, 20)
+    assert float((got.double() - exact).norm() / exact.norm()) < 1e-6

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import blake3
 import torch
 
-from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, distinct
+from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, differences, distinct
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
@@ -176,8 +176,7 @@ def _robust_numbers(chunk: Chunk, raw: torch.Tensor, agreeing: bool) -> bool:
         if bool(((chunk.norms - exact).abs() > GRAM_TOLERANCE * exact + 1e-300).any()):
             raise ValueError("its published norms are not its rows'")
     if chunk.gram is not None and len(kept) >= ROBUST_MIN_MEMBERS:
-        differences = raw[kept] - raw[kept[0]]
-        centered = around((differences @ differences.t()).double(), chunk.medoid)
+        centered = around(differences(raw[kept].clone(), torch.empty(raw.shape[1])), chunk.medoid)
         if not bool(centered.isfinite().all()):
             return False
         scale = centered.diagonal().clamp_min(0).sqrt()
