@@ -167,6 +167,8 @@ class AllReducer:
             report.aggregation, report.clipped = reducer.rule, reducer.clipped
             report.bytes_sent += reducer.bytes_sent
             report.bytes_received += reducer.bytes_received
+            report.check_bytes_sent += reducer.check_bytes_sent
+            report.check_bytes_received += reducer.check_bytes_received
         finally:
             self._reducers.pop(group.round_id, None)
             reducer.close()

@@ -49,8 +49,10 @@ class RoundReport:
     round_id: str
     group_size: int
     duration: float = 0.0
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # contributions and averages, with their framing
     bytes_received: int = 0
+    check_bytes_sent: int = 0  # the verification's: seals, statements, seed shares, samples, challenges, rows
+    check_bytes_received: int = 0
     codec_error: float = 0.0  # relative L2 error of this peer's coded contributions
     excluded: dict[str, str] = field(default_factory=dict)  # peer id -> reason
     failed_spans: list[int] = field(default_factory=list)

@@ -80,6 +80,8 @@ class SpanReducer:
         self.serving: set[str] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.check_bytes_sent = 0  # the verification's (group.RoundReport)
+        self.check_bytes_received = 0
         self._started = [False for _ in self.chunks]
         self._sum_lock = threading.Lock()  # large chunks are added from worker threads
         self._finalizing: set[int] = set()

@@ -149,7 +149,10 @@ class SpanExchange:
             credentials=v.signing.credentials, seed_commitment=v.commitment,
         )
         sent = await write_message(writer, request)
-        self.report.bytes_sent += sent  # after the await: the report is shared by the exchanges running at once
+        checks = pb.ReduceRequest(credentials=request.credentials, seed_commitment=request.seed_commitment).ByteSize()
+        # after the await: the report is shared by the exchanges running at once
+        self.report.bytes_sent += sent - checks
+        self.report.check_bytes_sent += checks
         coding: asyncio.Future[Coded] | None = first
         for k in range(len(self.chunks)):
             assert coding is not None  # set for every chunk but after the last
@@ -164,7 +167,7 @@ class SpanExchange:
                                                 self.config.chunk_numel, self.weight, self.hashes))
         v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes)
         v.own_hashes[self.index] = self.hashes
-        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(seal=seal))
+        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(seal=seal))
 
     async def _collect_all(self, reader: asyncio.StreamReader) -> None:
         for k in range(len(self.chunks)):
@@ -173,7 +176,9 @@ class SpanExchange:
     async def _collect(self, reader: asyncio.StreamReader, k: int) -> None:
         a, b = self.chunks[k]
         response = await read_message(reader, pb.ReduceResponse, self.member)
-        self.report.bytes_received += frame_size(response.ByteSize())
+        signature = pb.ReduceResponse(signature=response.signature).ByteSize()
+        self.report.bytes_received += frame_size(response.ByteSize()) - signature
+        self.report.check_bytes_received += signature
         if response.code != pb.OK or response.chunk_index != k:
             raise ProtocolViolation(
                 f"{self.member} refused our contribution: {pb.MessageCode.Name(response.code)} {response.message}",
@@ -201,12 +206,12 @@ class SpanExchange:
         if message.WhichOneof("body") != "statement":
             raise ProtocolViolation(f"{self.member} sent no statement of its span", peer_id=self.member)
         await v.statement_from(self.index, message.statement)
-        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
-        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
+        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
+        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
         verdict = await v.verdict(self.index)
         if verdict.challenge is None:
             return
-        self.report.bytes_sent += await write_verify(writer, pb.VerifyMessage(challenge=verdict.challenge))
+        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(challenge=verdict.challenge))
         rows: dict[int, bytes] | None = None
         try:
             answer = await read_verify(reader, self.member, 3 * timeout, self.report)
@@ -218,7 +223,7 @@ class SpanExchange:
                 for rank in included:
                     async with asyncio.timeout(timeout):
                         rows[rank] = await read_frame(reader, max_payload_bytes(b - a), self.member, "revealed row")
-                    self.report.bytes_received += frame_size(len(rows[rank]))
+                    self.report.check_bytes_received += frame_size(len(rows[rank]))
         except (ProtocolViolation, TimeoutError, ConnectionError, OSError) as e:
             logger.warning("Round %s: %s did not answer the challenge of span %d: %s", self.group.round_id,
                            self.member, self.index, e)

@@ -32,7 +32,9 @@ class SenderStream:
 
     async def run(self, request: pb.ReduceRequest) -> None:
         r, sender, reader = self.reducer, self.sender, self.reader
-        r.bytes_received += frame_size(request.ByteSize())
+        checks = pb.ReduceRequest(credentials=request.credentials, seed_commitment=request.seed_commitment).ByteSize()
+        r.bytes_received += frame_size(request.ByteSize()) - checks
+        r.check_bytes_received += checks
         problem = check_request(r.view, sender, request, set(r.excluded) | r.serving)
         if problem is None:
             try:
@@ -94,7 +96,7 @@ class SenderStream:
         message = await read_verify(self.reader, sender, r.config.verification.timeout)
         if message.WhichOneof("body") != "seal":
             raise ProtocolViolation(f"{sender} sent no seal after its last chunk", peer_id=sender)
-        r.bytes_received += frame_size(message.ByteSize())
+        r.check_bytes_received += frame_size(message.ByteSize())
         r.record.seal(sender, bytes(message.seal))
 
     async def _answer(self) -> None:
@@ -113,7 +115,7 @@ class SenderStream:
                 )
                 await self._send(response, payload)
             statement = await r.record.statement(r.ready)
-            r.bytes_sent += await write_verify(self.writer, pb.VerifyMessage(statement=statement))
+            r.check_bytes_sent += await write_verify(self.writer, pb.VerifyMessage(statement=statement))
         except (ConnectionError, OSError) as e:
             logger.info("Round %s: could not return span %d to %s: %s", r.group.round_id, r.rank, sender, e)
         finally:
@@ -125,4 +127,6 @@ class SenderStream:
         # not `bytes_sent += await ...`: that reads the counter before the await, and the answers to the other
         # senders, running meanwhile, would have their counts overwritten
         sent = await write_frames(self.writer, frames)
-        self.reducer.bytes_sent += sent
+        signature = pb.ReduceResponse(signature=response.signature).ByteSize()
+        self.reducer.bytes_sent += sent - signature
+        self.reducer.check_bytes_sent += signature

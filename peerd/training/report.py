@@ -119,6 +119,7 @@ class TrainingReport:
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
         self.record_traffic("gradients", report.bytes_sent, report.bytes_received)
+        self.record_traffic("checks", report.check_bytes_sent, report.check_bytes_received)
         self.round_durations.observe(report.duration)
         for peer in report.clipped:
             self.clipped_peers[peer] = self.clipped_peers.get(peer, 0) + 1
@@ -129,6 +130,7 @@ class TrainingReport:
             "duration": round(report.duration, 3),
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
+            "check_bytes_sent": report.check_bytes_sent,  # the verification's, beside the averaging payload
             "codec_error": report.codec_error,
             "excluded": dict(report.excluded),
             "aggregation": report.aggregation,

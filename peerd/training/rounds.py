@@ -79,6 +79,7 @@ class RoundRunner:
             logger.info("State averaging in round %s failed: %s", group.round_id, e)
             return None
         self.report.record_traffic("state", state_round.bytes_sent, state_round.bytes_received)
+        self.report.record_traffic("checks", state_round.check_bytes_sent, state_round.check_bytes_received)
         return averaged
 
     async def ordered(self, group: Group) -> Group:

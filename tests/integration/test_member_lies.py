@@ -89,7 +89,9 @@ def silent_leader(log_dir: Path, lie: str, undefended: str | None) -> list[dict[
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("lie", ["time-zero", "first-and-silent"])
+# a registration at time 0 is dropped by the plausibility check before it can lead (tests/unit/test_matchmaking.py:
+# the honest peers group without waiting for it); a plausible early one is the harder case, run here end to end
+@pytest.mark.parametrize("lie", ["first-and-silent"])
 def test_a_leader_that_never_decides_stalls_no_round_for_long(lie: str, tmp_path: Path) -> None:
     defended = silent_leader(tmp_path / "defended", lie, undefended=None)
     # the silent early leader costs one round its deadline; time 0 costs nothing

@@ -30,7 +30,7 @@ async def read_verify_or_eof(reader: asyncio.StreamReader, peer: str, timeout: f
     if data is None:
         return None
     if report is not None:
-        report.bytes_received += frame_size(len(data))
+        report.check_bytes_received += frame_size(len(data))
     try:
         message: pb.VerifyMessage = pb.VerifyMessage.FromString(data)  # protobuf's runtime is untyped
         return message
