@@ -381,7 +381,8 @@ def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None, aggregation: str |
                 result, report = run(reducer.all_reduce(Group(f"bench-{rep}", members), ctx.input, 1.0, out=out))
             if report.excluded:
                 ctx.fail(rep, f"excluded: {report.excluded}")
-            sent = report.bytes_sent
+            # the verification's bytes too (a baseline revision may predate them)
+            sent = report.bytes_sent + getattr(report, "check_bytes_sent", 0)
             ctx.check(rep, result)
         ctx.extra["payload_bytes_sent"] = sent
 
