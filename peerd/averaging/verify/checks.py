@@ -52,7 +52,7 @@ COEFFICIENT_TOLERANCE = 1e-6
 ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes summed
 # A sketched squared distance over the true one: for rows whose difference is an outer product in the sketch's
 # layout, the worst case, the ratio of 16 projections falls outside [0.019, 14.4] with probability 1e-6
-# (simulated); independent signs would give [0.09, 3.5].
+# (estimated by sampling such rows); independent signs would give [0.09, 3.5].
 SKETCH_LOW, SKETCH_HIGH = 0.015, 16.0
 SKETCH_FLOAT = 1e-5
 MEDOID_TOLERANCE = 1e-3
