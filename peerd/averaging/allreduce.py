@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from peerd.averaging.audits import Audits
 from peerd.averaging.evidence import EvidenceDesk
 from peerd.averaging.group import Group, RoundReport, is_state_round
 from peerd.averaging.layout import chunk_bounds, split_spans
@@ -73,6 +74,7 @@ class AllReducer:
         self._reducers: dict[str, SpanReducer] = {}
         self._round_registered = asyncio.Condition()
         self._sent: dict[int, torch.Tensor] = {}  # by numel: what members decode of our contributions
+        self.audits = Audits()  # of spans that passed, after their round
 
     async def start(self) -> None:
         if not checks_averages(self.config.codec):
@@ -84,6 +86,7 @@ class AllReducer:
 
     async def stop(self) -> None:
         await self.guard.remove_handler(HANDLER_NAME)
+        await self.audits.stop()
         await self.evidence.stop()
 
     # --- this peer's side of a round --------------------------------------------------------------------------
@@ -149,18 +152,18 @@ class AllReducer:
         async with self._round_registered:
             self._reducers[group.round_id] = reducer
             self._round_registered.notify_all()
+        exchanges = [
+            SpanExchange(self.guard, HANDLER_NAME, group, member, spans[i], flat, weight, residual, result,
+                         report, config, codec_config, verification, sent)
+            for i, member in enumerate(group.members)
+            if i != rank
+        ]
         try:
-            exchanges = [
-                SpanExchange(self.guard, HANDLER_NAME, group, member, spans[i], flat, weight, residual, result,
-                             report, config, codec_config, verification, sent).run()
-                for i, member in enumerate(group.members)
-                if i != rank
-            ]
             deadline = self.config.round_timeout
             own = asyncio.ensure_future(reducer.finish(deadline))
             # the exchanges' verification waits for the other members: up to a few verification timeouts more
             limit = deadline + self.config.join_timeout + 5.0 + 6 * self.config.verification.timeout
-            await asyncio.wait_for(asyncio.gather(own, *exchanges), limit)
+            await asyncio.wait_for(asyncio.gather(own, *(exchange.run() for exchange in exchanges)), limit)
             await reducer.answered(self.config.join_timeout)
             self._settle(verification, flat, result, spans, report)
             report.excluded.update(reducer.excluded)
@@ -172,6 +175,9 @@ class AllReducer:
         finally:
             self._reducers.pop(group.round_id, None)
             reducer.close()
+            for exchange in exchanges:
+                if exchange.audit_stream is not None:
+                    self.audits.start(exchange)
         report.duration = time.monotonic() - started
         return result, report
 

@@ -60,6 +60,9 @@ class SpanExchange:
     sent: torch.Tensor  # what every member decodes of this member's contributions, flat
     received: set[int] = field(default_factory=set)
     errors: list[float] = field(default_factory=list)
+    # a span that passed its checks and drew an audit: its stream, left open for `audit` after the round
+    audit_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    audit_chunk: int = 0
 
     def __post_init__(self) -> None:
         start, end = self.span
@@ -84,7 +87,8 @@ class SpanExchange:
                                                 self.config.round_timeout + self.config.join_timeout)
             finally:
                 await self.verification.row_done(self.index)  # sealed, or it never will be
-            await self._verify(*stream)
+            if await self._verify(*stream):
+                self.audit_stream, stream = stream, None  # kept open for `audit`
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
             reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
             logger.warning("Round %s: reducer %s of span %d failed: %s", self.group.round_id, self.member,
@@ -198,8 +202,10 @@ class SpanExchange:
             norm = self.norms.get(k, 0.0)
             self.errors.append(float(self.dropped[a:b].norm()) / norm if norm else 0.0)
 
-    async def _verify(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The span's verification: statement in, seed share and samples out, the verdict, a challenge."""
+    async def _verify(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """The span's verification: statement in, seed share and samples out, the verdict, a challenge. True if
+        the span passed and drew an audit: what it applies is settled, so the audit waits for ``audit``, after
+        the round, and the round's time does not pay for a chunk's rows."""
         v = self.verification
         timeout = self.config.verification.timeout
         message = await read_verify(reader, self.member, timeout, self.report)
@@ -210,22 +216,49 @@ class SpanExchange:
         self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
         verdict = await v.verdict(self.index)
         if verdict.challenge is None:
-            return
-        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(challenge=verdict.challenge))
+            return False
+        self.audit_chunk = verdict.challenge
+        if verdict.apply:
+            return True
+        sent, received = await self._challenge(reader, writer)
+        self.report.check_bytes_sent += sent
+        self.report.check_bytes_received += received
+        return False
+
+    async def audit(self) -> tuple[int, int]:
+        """Challenges the span's reducer for the rows of the chunk its verdict drew, on the stream ``run`` left
+        open, and judges them; returns the bytes (sent, received). Never raises for the reducer's faults."""
+        assert self.audit_stream is not None
+        reader, writer = self.audit_stream
+        try:
+            return await self._challenge(reader, writer)
+        except (ConnectionError, OSError) as e:
+            logger.warning("Round %s: could not audit span %d of %s: %s", self.group.round_id, self.index,
+                           self.member, e)
+            return 0, 0
+        finally:
+            writer.close()
+
+    async def _challenge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, int]:
+        """Asks for the rows of chunk ``audit_chunk`` and judges them (or the silence); bytes (sent, received)."""
+        v, index = self.verification, self.audit_chunk
+        timeout = self.config.verification.timeout
+        sent = await write_verify(writer, pb.VerifyMessage(challenge=index))
+        received = 0
         rows: dict[int, bytes] | None = None
         try:
-            answer = await read_verify(reader, self.member, 3 * timeout, self.report)
-            if answer.WhichOneof("body") == "answer" and answer.answer.ok and \
-                    answer.answer.chunk_index == verdict.challenge:
-                a, b = self.chunks[verdict.challenge]
-                included = v.statements[self.index].chunks[verdict.challenge].included
+            answer = await read_verify(reader, self.member, 3 * timeout)
+            received += frame_size(answer.ByteSize())
+            if answer.WhichOneof("body") == "answer" and answer.answer.ok and answer.answer.chunk_index == index:
+                a, b = self.chunks[index]
                 rows = {}
-                for rank in included:
+                for rank in v.statements[self.index].chunks[index].included:
                     async with asyncio.timeout(timeout):
                         rows[rank] = await read_frame(reader, max_payload_bytes(b - a), self.member, "revealed row")
-                    self.report.check_bytes_received += frame_size(len(rows[rank]))
+                    received += frame_size(len(rows[rank]))
         except (ProtocolViolation, TimeoutError, ConnectionError, OSError) as e:
             logger.warning("Round %s: %s did not answer the challenge of span %d: %s", self.group.round_id,
                            self.member, self.index, e)
             rows = None
-        await v.judge(self.index, verdict.challenge, rows)
+        await v.judge(self.index, index, rows)
+        return sent, received

@@ -34,6 +34,7 @@ class RoundRunner:
         self.matchmaker = matchmaker
         self.reducer = reducer
         self.report = report
+        reducer.audits.on_bytes = lambda sent, received: report.record_traffic("checks", sent, received)
         self.progress = progress
         self.in_shard_order = in_shard_order
         self.lossless = codec.model_copy(update={"lossless": True, "error_feedback": False})
