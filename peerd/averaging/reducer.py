@@ -137,7 +137,7 @@ class SpanReducer:
         else:
             row.copy_(self.own[start:end])
         payload = codec.encode(row, RAW)
-        self.record.own(index, bytes(payload), envelope(None, row, self.codec_config.block_size))
+        self.record.own(index, payload, envelope(None, row, self.codec_config.block_size))  # nobody writes to it
         return row
 
     def _average_chunk(self, index: int) -> bytearray:

@@ -92,9 +92,9 @@ def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int
         return torch.zeros(0)
     full = decoded.numel() // coarse
     bound = torch.empty(blocks)
-    if full:  # min and max in one pass, without a temporary of |values|
-        low, high = torch.aminmax(decoded[: full * coarse].view(full, coarse).float(), dim=1)
-        torch.maximum(low.neg_(), high, out=bound[:full])
+    if full:  # max and min apart, without a temporary of |values| (torch.aminmax is ~5x slower on CPU)
+        rows = decoded[: full * coarse].view(full, coarse).float()
+        torch.maximum(rows.amin(1).neg_(), rows.amax(1), out=bound[:full])
     if blocks > full:
         bound[full] = float(decoded[full * coarse :].abs().max())
     return bound
@@ -109,8 +109,8 @@ def clamp_residual(average: torch.Tensor, residual: torch.Tensor, block_size: in
     numel = average.numel()
     full = numel // block_size
     if full:
-        low, high = torch.aminmax(average[: full * block_size].view(full, block_size), dim=1)
-        bound = torch.maximum(low.neg_(), high).div_(254.0).unsqueeze(1)
+        blocks = average[: full * block_size].view(full, block_size)
+        bound = torch.maximum(blocks.amin(1).neg_(), blocks.amax(1)).div_(254.0).unsqueeze(1)
         rows = residual[: full * block_size].view(full, block_size)
         torch.clamp(rows, min=-bound, max=bound, out=rows)
     if numel > full * block_size:

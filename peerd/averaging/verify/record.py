@@ -39,7 +39,7 @@ class SpanRecord:
         self.numel, self.rule = numel, rule
         self.chunks = chunk_bounds(numel, verification.config.chunk_numel)
         count = len(self.chunks)
-        self.payloads: dict[int, list[bytes | None]] = {self.rank: [None] * count}
+        self.payloads: dict[int, list[bytes | bytearray | None]] = {self.rank: [None] * count}
         self.hashes: dict[int, list[bytes | None]] = {self.rank: [None] * count}
         self.weights: dict[int, float] = {self.rank: own_weight}
         self.credentials: dict[int, pb.Credentials] = {self.rank: verification.signing.credentials}
@@ -85,7 +85,7 @@ class SpanRecord:
         if event is not None:
             event.set()
 
-    def own(self, index: int, payload: bytes, bound: torch.Tensor) -> None:
+    def own(self, index: int, payload: bytes | bytearray, bound: torch.Tensor) -> None:
         """This reducer's own row of chunk ``index``, as coded (its statement's signature binds it), and its
         envelope."""
         self.payloads[self.rank][index] = payload
