@@ -62,7 +62,6 @@ class SpanExchange:
     errors: list[float] = field(default_factory=list)
     # a span that passed its checks and drew an audit: its stream, left open for `audit` after the round
     audit_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-    audit_chunk: int = 0
 
     def __post_init__(self) -> None:
         start, end = self.span
@@ -217,10 +216,9 @@ class SpanExchange:
         verdict = await v.verdict(self.index)
         if verdict.challenge is None:
             return False
-        self.audit_chunk = verdict.challenge
         if verdict.apply:
             return True
-        sent, received = await self._challenge(reader, writer)
+        sent, received = await self._challenge(reader, writer, verdict.challenge)
         self.report.check_bytes_sent += sent
         self.report.check_bytes_received += received
         return False
@@ -230,8 +228,10 @@ class SpanExchange:
         open, and judges them; returns the bytes (sent, received). Never raises for the reducer's faults."""
         assert self.audit_stream is not None
         reader, writer = self.audit_stream
+        challenge = self.verification.verdicts[self.index].challenge
+        assert challenge is not None
         try:
-            return await self._challenge(reader, writer)
+            return await self._challenge(reader, writer, challenge)
         except (ConnectionError, OSError) as e:
             logger.warning("Round %s: could not audit span %d of %s: %s", self.group.round_id, self.index,
                            self.member, e)
@@ -239,9 +239,10 @@ class SpanExchange:
         finally:
             writer.close()
 
-    async def _challenge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, int]:
-        """Asks for the rows of chunk ``audit_chunk`` and judges them (or the silence); bytes (sent, received)."""
-        v, index = self.verification, self.audit_chunk
+    async def _challenge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         index: int) -> tuple[int, int]:
+        """Asks for the rows of chunk ``index`` and judges them (or the silence); bytes (sent, received)."""
+        v = self.verification
         timeout = self.config.verification.timeout
         sent = await write_verify(writer, pb.VerifyMessage(challenge=index))
         received = 0
