@@ -213,7 +213,14 @@ class SpanExchange:
         await v.statement_from(self.index, message.statement)
         self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
         self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
-        verdict = await v.verdict(self.index)
+        # read while the verdict is drawn: the stream stays open until the reducer holds our samples
+        confirmed = asyncio.ensure_future(self._confirmed(reader))
+        try:
+            verdict = await v.verdict(self.index)
+        except BaseException:
+            confirmed.cancel()
+            raise
+        await confirmed
         if verdict.challenge is None:
             return False
         if verdict.apply:
@@ -222,6 +229,20 @@ class SpanExchange:
         self.report.check_bytes_sent += sent
         self.report.check_bytes_received += received
         return False
+
+    async def _confirmed(self, reader: asyncio.StreamReader) -> None:
+        """Until the reducer says it read our seed share and samples, which other members' verdicts need: p2pd
+        resets a stream whose writer closes it, and over QUIC the reset drops what is still in flight. A reducer
+        that never says so (or says something else) is only waited for; its span's verdict does not depend on it."""
+        try:
+            message = await read_verify(reader, self.member, self.config.verification.timeout, self.report)
+        except (ProtocolViolation, TimeoutError, ConnectionError, OSError) as e:
+            logger.info("Round %s: %s did not confirm our samples for span %d: %s", self.group.round_id, self.member,
+                        self.index, e)
+            return
+        if message.WhichOneof("body") != "received":
+            logger.info("Round %s: %s sent %s where it confirms our samples for span %d", self.group.round_id,
+                        self.member, message.WhichOneof("body"), self.index)
 
     async def audit(self) -> tuple[int, int]:
         """Challenges the span's reducer for the rows of the chunk its verdict drew, on the stream ``run`` left

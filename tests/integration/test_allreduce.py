@@ -21,6 +21,7 @@ from peerd.averaging.group import Group
 from peerd.averaging.layout import split_spans
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.verify.randomness import commitment, new_share
+from peerd.averaging.verify.round import RoundVerification, Verdict
 from peerd.config import AveragingConfig, CodecConfig, StreamLimits, VerificationConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
@@ -95,6 +96,41 @@ def test_three_members_get_identical_weighted_mean_and_about_one_byte_per_elemen
             assert 1.0 < per_element < 1.1, per_element
 
     asyncio.run(with_peers(3, body, transport=transport))
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_decides_at_once_still_delivers_its_samples_over_quic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member's samples are the last thing it writes on its stream to a reducer, and the other members' checks
+    need them. Closing right after writing them lost them now and then over QUIC (p2pd resets a stream its writer
+    closes, dropping what is in flight): here one member reaches its verdicts at once, and so would close right
+    away, round after round; the others must still get its samples and apply every span."""
+    fast: list[str] = []
+    verdict = RoundVerification.verdict
+
+    async def at_once(self: RoundVerification, span: int) -> Verdict:
+        if self.me not in fast:
+            return await verdict(self, span)
+        self.verdicts[span] = Verdict(True)
+        return self.verdicts[span]
+
+    monkeypatch.setattr(RoundVerification, "verdict", at_once)
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        fast.append(reducers[0].peer_id)
+        honest = reducers[1:]
+        for step in range(6):
+            xs = [torch.randn(50_000) for _ in reducers]
+            outs = await asyncio.gather(*[r.all_reduce(Group(f"fast{step}", members), x, 1.0)
+                                          for r, x in zip(reducers, xs, strict=True)])
+            expected = weighted_mean(xs, [1.0] * len(xs))
+            for result, report in outs[1:]:
+                assert torch.equal(result, outs[1][0]), f"round {step}: a span was not applied"
+                assert float((result - expected).norm() / expected.norm()) < 0.02
+                assert report.excluded == {} and report.failed_spans == []
+        assert all(not r.bans.reason(reducers[0].peer_id) for r in honest)
+
+    asyncio.run(with_peers(3, body, config=PATIENT, transport="quic"))
 
 
 @pytest.mark.timeout(90)

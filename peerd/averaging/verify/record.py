@@ -160,6 +160,8 @@ class SpanRecord:
                 await self.v.reveal_from(sender, bytes(message.reveal))
             elif kind == "samples":
                 await self.v.samples_from(sender, message.samples)
+                # the sender waits for this before it closes: closing right after its samples could drop them
+                await write_verify(writer, pb.VerifyMessage(received=True))
             elif kind == "challenge":
                 await self._answer(sender, message.challenge, writer)
                 return
