@@ -16,12 +16,14 @@ from __future__ import annotations
 import struct
 import threading
 from collections import OrderedDict
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import blake3
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from google.protobuf.message import DecodeError, Message
 
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -34,7 +36,7 @@ from peerd.swarm.signing import (
     peer_id_of,
 )
 
-__all__ = ["Identity", "KeyBook", "SigningKey", "digest", "f64", "u64"]
+__all__ = ["Identity", "KeyBook", "SigningKey", "digest", "f64", "open_signed", "u64"]
 
 CERTIFICATE = b"peerd.v1.averaging.signing-key"
 SIGNATURE_BYTES = 64
@@ -144,3 +146,22 @@ class KeyBook:
         except (ProtocolViolation, InvalidSignature):
             return False
         return True
+
+
+M = TypeVar("M", bound=Message)
+
+
+def open_signed(signed: pb.Signed, kind: type[M], max_bytes: int, signer: str, label: bytes,
+                credentials: Callable[[M], pb.Credentials], keys: KeyBook,
+                bad: Callable[[str], ProtocolViolation]) -> M:
+    """The ``kind`` message ``signed`` carries, once its size, its encoding and ``signer``'s signature over it (by
+    the ``credentials`` it holds) check out, in that order, cheapest first; else ``bad(reason)`` is raised."""
+    if len(signed.body) > max_bytes:
+        raise bad("too large")
+    try:
+        message: M = kind.FromString(signed.body)  # protobuf's runtime is untyped
+    except DecodeError:
+        raise bad("malformed") from None
+    if not keys.valid(credentials(message), signer, signed.signature, label, signed.body):
+        raise bad("signature or credentials do not check out")
+    return message

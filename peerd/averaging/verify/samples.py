@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from google.protobuf.message import DecodeError
 
-from peerd.averaging.verify.keys import KeyBook, SigningKey
+from peerd.averaging.verify.keys import KeyBook, SigningKey, open_signed
 from peerd.averaging.verify.payloads import COARSE_BLOCKS
 from peerd.averaging.verify.randomness import SAMPLES, SKETCH_SIZE, RoundRandomness
 from peerd.errors import ProtocolViolation
@@ -92,15 +91,10 @@ def parse_samples(signed: pb.Signed, member: str, round_id: str, seed: bytes,
     def bad(reason: str) -> ProtocolViolation:
         return ProtocolViolation(f"samples of {member} in {round_id}: {reason}", peer_id=member)
 
-    if len(signed.body) > MAX_SAMPLES_BYTES:
-        raise bad("too large")
-    try:
-        message = pb.MemberSamples.FromString(signed.body)
-    except DecodeError:
-        raise bad("malformed") from None
-    if message.member != member or not keys.valid(message.credentials, member, signed.signature, LABEL,
-                                                    signed.body):
-        raise bad("signature or credentials do not check out")
+    message = open_signed(signed, pb.MemberSamples, MAX_SAMPLES_BYTES, member, LABEL, lambda m: m.credentials,
+                          keys, bad)
+    if message.member != member:
+        raise bad(f"signed as the samples of {message.member[:60]!r}")
     if message.round_id != round_id or message.seed != seed:
         raise bad("drawn for another round or seed")
     spans: dict[int, SpanRows] = {}

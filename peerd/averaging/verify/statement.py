@@ -17,10 +17,9 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-from google.protobuf.message import DecodeError
 
 from peerd.averaging.group import Group, is_state_round
-from peerd.averaging.verify.keys import KeyBook, SigningKey, f64, u64
+from peerd.averaging.verify.keys import KeyBook, SigningKey, f64, open_signed, u64
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
@@ -95,14 +94,8 @@ def parse_statement(signed: pb.Signed, group: Group, span: int, numel: int, chun
         return ProtocolViolation(f"statement of {reducer} for span {span} of {group.round_id}: {reason}",
                                  peer_id=reducer)
 
-    if len(signed.body) > MAX_STATEMENT_BYTES:
-        raise bad("too large")
-    try:
-        message = pb.SpanStatement.FromString(signed.body)
-    except DecodeError:
-        raise bad("malformed") from None
-    if not keys.valid(message.reducer, reducer, signed.signature, STATEMENT, signed.body):
-        raise bad("signature or credentials do not check out")
+    message = open_signed(signed, pb.SpanStatement, MAX_STATEMENT_BYTES, reducer, STATEMENT, lambda m: m.reducer,
+                          keys, bad)
     if (message.round_id, message.span_index, message.span_numel, message.chunk_numel) != (
             group.round_id, span, numel, chunk_numel) or tuple(message.members) != group.members:
         raise bad("describes another round, span or group")
