@@ -30,7 +30,8 @@ class DilocoConfig(Section):
         description="'swarm': a phase ends for everyone when the trainers at it have together taken H inner "
         "steps per trainer (progress records); faster peers take more steps than slower ones, nobody waits, "
         "and each pseudo-gradient is weighted by its samples. 'lockstep': each peer takes exactly H steps and "
-        "waits (at most training.lockstep_timeout) for the others: equal samples, reproducible runs.",
+        "its round waits (at most training.lockstep_timeout) for the others' (with overlap, while the next "
+        "phase computes): equal samples, and without overlap reproducible runs.",
     )
     outer_lr: float = Field(default=0.7, gt=0, allow_inf_nan=False, description="Outer SGD learning rate.")
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")

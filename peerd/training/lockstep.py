@@ -13,7 +13,9 @@ same in every run. Two more things keep runs identical:
   elements it sends exactly and where the 8-bit codec's error feedback is carried).
 
 The wait is bounded by ``training.lockstep_timeout``; a dead peer also leaves the view when its progress
-record expires, so no peer can stall the swarm for longer.
+record expires, so no peer can stall the swarm for longer. In diloco with overlap the peer does not stop: the
+wait belongs to the phase's round, which runs in the background while the next phase computes (still exactly
+H inner steps each), so a phase does not end with the whole swarm idle until its slowest peer is done.
 """
 
 from __future__ import annotations

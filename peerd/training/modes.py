@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import torch
@@ -29,9 +30,17 @@ from peerd.training.rounds import RoundRunner
 from peerd.training.state import Template, TrainingState
 from peerd.wire.codec import all_finite
 
-__all__ = ["Host", "Mode", "SyncMode"]
+__all__ = ["Expected", "Host", "Mode", "SyncMode", "counted"]
 
 logger = logging.getLogger(__name__)
+
+# The trainers expected in a step's round, this one included; in lockstep, how to wait until the others have
+# their shares and count them (a mode whose rounds run in the background waits there, beside the next compute).
+Expected = int | Callable[[], Awaitable[int]]
+
+
+async def counted(expected: Expected) -> int:
+    return expected if isinstance(expected, int) else await expected()
 
 
 class Host(Protocol):
@@ -74,7 +83,7 @@ class Mode(ABC):
         return None
 
     @abstractmethod
-    async def end_step(self, expected: int) -> None:
+    async def end_step(self, expected: Expected) -> None:
         """Ends the global step: average with a group (``expected`` trainers at it, this one included) or alone."""
 
     async def finish(self) -> None:
@@ -110,6 +119,11 @@ class Mode(ABC):
         self.host.local.import_state(state.tensors)
 
     @property
+    def rounds_in_background(self) -> bool:
+        """Whether a step's round runs beside the next step's compute (diloco with overlap)."""
+        return False
+
+    @property
     def in_flight(self) -> bool:
         """Whether a round still runs in the background (diloco with overlap)."""
         return False
@@ -130,12 +144,13 @@ class SyncMode(Mode):
         samples, _ = h.evidence.counted_samples(view, h.step, h.samples)
         return samples >= h.config.target_batch_size
 
-    async def end_step(self, expected: int) -> None:
+    async def end_step(self, expected: Expected) -> None:
         h = self.host
+        trainers = await counted(expected)
         h.report.state = "averaging"
         # Others see at once that the batch is complete and join the round. Published alongside our own
         # registration rather than before it: on a slow DHT they hear of the round one request sooner.
-        _, averaged = await asyncio.gather(h.publish(), self._averaged_gradients(expected))
+        _, averaged = await asyncio.gather(h.publish(), self._averaged_gradients(trainers))
         if averaged is None:
             return
         async with h.step_lock:

@@ -14,6 +14,7 @@ what it believes of the others' claims is :mod:`peerd.training.evidence`'s to sa
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -145,11 +146,15 @@ class CollaborativeTrainer:
                     if self.samples >= self.lockstep:
                         self.report.state = "waiting"
                         await self.publish()  # the others may be waiting for exactly this record
-                        expected = await lockstep.wait_for_shares(
-                            self.progress, self.peer_id, self.step, self.lockstep, self.config.lockstep_timeout,
-                            stop, count_next_step=self.mode.ahead_ok > 0)
-                        if not stop.is_set():
-                            await self.mode.end_step(expected)
+                        shares = functools.partial(
+                            lockstep.wait_for_shares, self.progress, self.peer_id, self.step, self.lockstep,
+                            self.config.lockstep_timeout, stop, count_next_step=self.mode.ahead_ok > 0)
+                        if self.mode.rounds_in_background:
+                            await self.mode.end_step(shares)  # the round waits for them, not the next step
+                        else:
+                            expected = await shares()
+                            if not stop.is_set():
+                                await self.mode.end_step(expected)
                     continue
                 if self.mode.batch_complete(view):
                     await self.mode.end_step(expected=self.evidence.peers_near(view, self.step))

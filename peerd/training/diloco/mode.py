@@ -22,7 +22,7 @@ import torch
 from peerd import threads
 from peerd.averaging.group import round_key
 from peerd.training.diloco.outer import OuterState
-from peerd.training.modes import Host, Mode
+from peerd.training.modes import Expected, Host, Mode, counted
 from peerd.training.progress import SwarmProgress
 from peerd.training.state import Template, TrainingState
 
@@ -70,12 +70,20 @@ class DilocoMode(Mode):
         return self.host.local.inner_step(samples)
 
     @property
+    def rounds_in_background(self) -> bool:
+        return self.overlap
+
+    @property
     def in_flight(self) -> bool:
         return self.pending is not None and not self.pending.done()
 
-    async def end_step(self, expected: int) -> None:
-        """``expected``: trainers active at this phase, this one included (the leader may close at that)."""
+    async def end_step(self, expected: Expected) -> None:
+        """``expected``: trainers active at this phase, this one included (the leader may close at that). With
+        overlap, a lockstep peer waits for the others' shares in the background round, not before the next
+        phase: otherwise every phase would end with the whole swarm idle until its slowest peer is done."""
         h = self.host
+        if not self.overlap:
+            expected = await counted(expected)
         await self.land()
         every = h.config.checkpoint.every_steps
         if h.checkpointer is not None and h.step and h.step % every == 0:
@@ -102,10 +110,11 @@ class DilocoMode(Mode):
         if h.step % h.config.validation_every == 0 and not last:  # the last one follows its round
             await h.validate()
 
-    async def _round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: int) -> None:
+    async def _round(self, phase: int, pseudo: torch.Tensor, weight: float, expected: Expected) -> None:
         h = self.host
+        trainers = await counted(expected)
         averaged = await h.rounds.average(
-            round_key(h.prefix, "outer", phase), pseudo, weight, expected, residual=h.local.residual,
+            round_key(h.prefix, "outer", phase), pseudo, weight, trainers, residual=h.local.residual,
             average_residual=h.local.average_residual, out=self.outer.averaged,
             window=h.config.diloco.matchmaking_window, what=f"Phase {phase}")
         # the outer step off the lock, beside the next phase's inner steps; only its fold into the model stops them
