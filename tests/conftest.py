@@ -34,3 +34,24 @@ def _reap_leftover_children() -> Iterator[None]:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(leftovers, timeout=10)
+
+
+def _declared_timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules whose tests may run longest go first (by the timeouts they declare; the multi-peer ones before the
+    unit tests), each module's tests staying together for its fixtures: with two test processes, a long test
+    left for the end would keep one busy while the other idles."""
+    longest: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        longest[module] = max(longest.get(module, 0.0), _declared_timeout(item))
+
+    def key(item: pytest.Item) -> tuple[bool, float]:
+        module = item.nodeid.split("::")[0]
+        return module.startswith("tests/unit/"), -longest[module]
+
+    items.sort(key=key)  # stable: a module's tests keep their order
