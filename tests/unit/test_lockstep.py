@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
-from peerd.config import TrainingConfig, load_config
+from peerd.config import TaskConfig, TrainingConfig, load_config
 from peerd.errors import ConfigError
+from peerd.tasks import build_task
+from peerd.training.diloco import DilocoMode
+from peerd.training.local import LocalModel
 from peerd.training.lockstep import canonical_order, micro_batches_per_step, ready_at, waiting_for
 from peerd.training.progress import ProgressRecord, SwarmProgress
+from peerd.training.report import TrainingReport
 
 A, B, C = (f"12D3KooW{letter * 44}" for letter in "ABC")
 
@@ -76,17 +83,8 @@ def test_progress_records_without_a_shard_stay_valid() -> None:
     assert ProgressRecord.model_validate(wire).shard is None
 
 
-def _diloco_mode(overlap: bool) -> tuple[object, list[int]]:
+def _diloco_mode(overlap: bool) -> tuple[DilocoMode, list[int]]:
     """A DilocoMode on a synthetic model whose host records the group sizes its rounds were started with."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from peerd.config import TaskConfig
-    from peerd.tasks import build_task
-    from peerd.training.diloco import DilocoMode
-    from peerd.training.local import LocalModel
-    from peerd.training.report import TrainingReport
-
     config = TrainingConfig(mode="diloco", lr=0.05, state_averaging_every=0,
                             diloco={"phase_end": "lockstep", "overlap": overlap})  # type: ignore[arg-type]
     local = LocalModel(config, build_task(TaskConfig(name="synthetic", options={"dim": 8}), shard_index=0),
@@ -104,13 +102,12 @@ def _diloco_mode(overlap: bool) -> tuple[object, list[int]]:
         config=config, local=local, report=TrainingReport(fingerprint="x", parameters=1), checkpointer=None,
         rounds=SimpleNamespace(average=average), prefix="run", step=0, samples=32, step_lock=asyncio.Lock(),
         publish=nothing, validate=nothing, agreed=nothing, alone=lambda: True)
-    return DilocoMode(host), started  # type: ignore[arg-type]
+    return DilocoMode(host), started
 
 
 def test_with_overlap_a_lockstep_phase_ends_at_once_and_its_round_waits_for_the_others() -> None:
     """The next phase starts at once and the round, in the background, waits for the others' shares: no peer
     idles until the slowest is done. Without overlap the peer waits before its phase ends."""
-    import asyncio
 
     async def scenario(overlap: bool) -> list[int]:
         mode, started = _diloco_mode(overlap)
@@ -118,17 +115,17 @@ def test_with_overlap_a_lockstep_phase_ends_at_once_and_its_round_waits_for_the_
         phase_when_waiting: list[int] = []
 
         async def shares() -> int:
-            phase_when_waiting.append(mode.host.step)  # type: ignore[attr-defined]
+            phase_when_waiting.append(mode.host.step)
             if overlap:
                 await others_done.wait()
             return 3
 
-        await asyncio.wait_for(mode.end_step(shares), 10)  # type: ignore[attr-defined]
-        assert mode.host.step == 1  # type: ignore[attr-defined]
+        await asyncio.wait_for(mode.end_step(shares), 10)
+        assert mode.host.step == 1
         if overlap:
             assert started == []  # the round still waits for the others, the phase has ended
             others_done.set()
-        await asyncio.wait_for(mode.land(), 10)  # type: ignore[attr-defined]
+        await asyncio.wait_for(mode.land(), 10)
         assert started == [3]
         return phase_when_waiting
 
