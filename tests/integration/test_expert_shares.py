@@ -130,6 +130,14 @@ def test_a_member_with_huge_gradients_cannot_steer_an_expert_alone(tmp_path: Pat
 FLOOD_CALLS, FLOOD_TOKENS, QUEUE = 4, 16384, 65536
 
 
+async def answered(calls: list[asyncio.Future[tuple[int, torch.Tensor | None]]], count: int) -> None:
+    """Returns once ``count`` of ``calls`` have their answer."""
+    for i, call in enumerate(asyncio.as_completed(calls), 1):
+        await call
+        if i == count:
+            return
+
+
 def flood(tmp_path: Path, shared: bool) -> tuple[list[str], str]:
     """Codes of the member's flooding calls and of the honest call behind them; ``shared``: one queue for all
     callers (each caller may fill it)."""
@@ -162,6 +170,9 @@ def flood(tmp_path: Path, shared: bool) -> tuple[list[str], str]:
                 share = QUEUE if shared else QUEUE // 4
                 await asyncio.to_thread(wait_for, lambda: queued() == share, 60,
                                         f"{share} of the member's tokens queued")
+                if not shared:  # the calls past the share are refused as they arrive: all must have arrived
+                    # before the gate opens, or a late one finds the queue drained and is admitted
+                    await asyncio.wait_for(answered(floods, FLOOD_CALLS - 1), 60)
                 other = asyncio.ensure_future(call_code(honest, host.peer_id, pb.EXPERT_FORWARD,
                                                         [torch.randn(4, MOE_HIDDEN)]))
                 if not shared:  # admitted: it waits in the queue behind the member's share
