@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,8 +31,11 @@ async def sink(relay: str, out: Path) -> None:
                            force_reachability="private")
     received = 0
 
-    def report(relayed: bool) -> None:
-        out.write_text(json.dumps({"peer_id": str(p2p.peer_id), "relayed": relayed, "received": received}))
+    def report(relayed: bool, **extra: object) -> None:
+        # whole or not at all: the test reads the file while it is rewritten
+        part = out.with_suffix(".part")
+        part.write_text(json.dumps({"peer_id": str(p2p.peer_id), "relayed": relayed, "received": received, **extra}))
+        os.replace(part, out)
 
     async def handle(_info: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal received
@@ -41,9 +45,11 @@ async def sink(relay: str, out: Path) -> None:
         writer.close()
 
     await p2p.add_binary_stream_handler(PROTOCOL, handle)
+    relay_id = relay.rsplit("/p2p/", 1)[-1]
     while True:
         addresses = [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
-        report(any("/p2p-circuit" in a for a in addresses))
+        peers = [str(info.peer_id) for info in await p2p.list_peers()]
+        report(any("/p2p-circuit" in a for a in addresses), connected_to_relay=relay_id in peers, peers=len(peers))
         await asyncio.sleep(0.2)  # the test reads the file while this runs; it is stopped by a signal
 
 

@@ -9,7 +9,10 @@ the relay resets the circuit at the bound and counts what it carried in ``peerd 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 PUSHED = 8 * 2**20
 BOUND = 2**20
 P2PD_DEFAULT = 2**32  # p2pd's own -relayDataLimit
+SCRIPT = str(HERE / "relay_stranger.py")
 
 
 @pytest.fixture
@@ -35,25 +39,54 @@ def lab() -> Iterator[NatLab]:
         yield built
 
 
-def strangers_push(lab: NatLab, relay: PeerProcess, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The sink's last report and the source's result after the source pushed PUSHED bytes via the relay."""
-    relay_maddr = public_maddr(relay, lab.addr("relay"))
-    report = tmp_path / "sink.json"
-    report.unlink(missing_ok=True)
-    script = str(HERE / "relay_stranger.py")
-    with open(tmp_path / "sink.log", "wb") as log:
-        sink = subprocess.Popen(lab.exec_prefix("s1") + [sys.executable, script, "sink", relay_maddr, str(report)],
-                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-    try:
-        def relayed() -> dict[str, Any] | None:
-            data = json.loads(report.read_text()) if report.exists() and report.stat().st_size else None
-            return data if data and data["relayed"] else None
+SINKS, SLOT_WAIT = 3, 30.0
 
-        sink_id = wait_for(relayed, 60, "the stranger to get a slot on the peerd relay")["peer_id"]
-        pushed = subprocess.run(lab.exec_prefix("s2") + [sys.executable, script, "source", relay_maddr, sink_id,
+
+def start_sink(lab: NatLab, relay_maddr: str, report: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    report.unlink(missing_ok=True)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(lab.exec_prefix("s1") + [sys.executable, SCRIPT, "sink", relay_maddr, str(report)],
+                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+
+def stop_sink(sink: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sink.pid, signal.SIGKILL)  # its group: the sink and the p2pd it started
+    sink.wait(10)
+
+
+def strangers_push(lab: NatLab, relay: PeerProcess, tmp_path: Path, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sink's last report and the source's result after the source pushed PUSHED bytes via the relay.
+
+    libp2p's autorelay tries a relay once and, if that fails, leaves it alone for an hour: a sink whose first
+    reservation fails (say the relay's AutoNAT changed its mind for a moment) never gets a slot. Like a real
+    stranger, the test then starts a new node, at most SINKS in all, and prints why each one gave up.
+    """
+    relay_maddr = public_maddr(relay, lab.addr("relay"))
+    report = tmp_path / f"sink-{name}.json"
+
+    def relayed() -> dict[str, Any] | None:
+        data: dict[str, Any] | None = json.loads(report.read_text()) if report.exists() else None
+        return data if data and data["relayed"] else None
+
+    for attempt in range(1, SINKS + 1):
+        sink_log = tmp_path / f"sink-{name}-{attempt}.log"
+        sink = start_sink(lab, relay_maddr, report, sink_log)
+        try:
+            sink_id = wait_for(relayed, SLOT_WAIT, "the stranger to get a slot on the peerd relay")["peer_id"]
+            break
+        except TimeoutError:
+            failure = (f"sink {attempt} got no slot in {SLOT_WAIT:.0f}s: exit code {sink.poll()}, last report "
+                       f"{report.read_text() if report.exists() else None}, log {sink_log.read_text()[-2000:]!r}, "
+                       f"relay reachability {relay.status()['reachability']}")
+            print(f"\n[relay limits] {failure}")
+            stop_sink(sink)
+            if attempt == SINKS:
+                raise AssertionError(f"{failure}\n{relay.log_tail()}") from None
+    try:
+        pushed = subprocess.run(lab.exec_prefix("s2") + [sys.executable, SCRIPT, "source", relay_maddr, sink_id,
                                                          str(PUSHED), str(report)], check=False, capture_output=True,
-                                text=True,
-                                timeout=120)
+                                text=True, timeout=120)
         assert pushed.stdout.strip(), pushed.stderr[-2000:]
         result = json.loads(pushed.stdout.strip().splitlines()[-1])
         previous = -1
@@ -67,8 +100,7 @@ def strangers_push(lab: NatLab, relay: PeerProcess, tmp_path: Path) -> tuple[dic
 
         return wait_for(settled, 30, "the sink's count to settle", 1.0), result
     finally:
-        sink.kill()
-        sink.wait(10)
+        stop_sink(sink)
 
 
 def circuits_counted(relay: PeerProcess) -> dict[str, Any] | None:
@@ -108,7 +140,7 @@ def relay_for_strangers(lab: NatLab, pub: PeerProcess, member: list[str], label:
         relay.wait_ready(60)
         wait_for(lambda: relay.status()["reachability"]["relay_service"]["active"], 90,
                  "AutoNAT to find the relay reachable and its relay service to start", 0.5)
-        sink, source = strangers_push(lab, relay, tmp_path)
+        sink, source = strangers_push(lab, relay, tmp_path, str(bound))
         try:
             service = wait_for(lambda r=relay: circuits_counted(r), 30, "the relay's status to count the circuit")
         except TimeoutError:
