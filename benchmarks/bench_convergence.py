@@ -29,10 +29,12 @@ bits, with error feedback) run beside them, measured against the 8-bit runs (tar
 round included). ``--compare mode`` compares sync mode against diloco with overlap (the default) at equal samples
 (target within 3%). ``--compare widths`` compares 4- and 2-bit codes and top-k at 1.56% with 2-bit values
 (``averaging.codec.scheme``, with error feedback) against 8-bit, the bytes of a round included (target: within
-2%; use it with ``--mode diloco``).
+2%; use it with ``--mode diloco``). ``--compare checks`` runs 8-bit, top-k whose reducers return their averages
+as top-k with their residual, unchecked (``averaging.verification.check_narrow_codes=false``), and top-k whose
+reducers return every nonzero element at 8 bits, checked (the default): what checking costs in bytes and loss.
 
 Run: .venv/bin/python benchmarks/bench_convergence.py [--steps 60] [--peers 3] [--repeats 2]
-     [--samples-per-step 32] [--timing] [--compare codec|aggregation|mode|widths] [--mode sync|diloco]
+     [--samples-per-step 32] [--timing] [--compare codec|aggregation|mode|widths|checks] [--mode sync|diloco]
      [--inner-steps 20] [-o KEY=VALUE (any peerd option, every setting, e.g. training.diloco.outer_lr=0.1)]
 """
 
@@ -53,6 +55,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "lm.yaml"
 FP32, EIGHT_BIT = "fp32 (lossless)", "8-bit + error feedback"
 FOUR_BIT, TWO_BIT = "4-bit + error feedback", "2-bit + error feedback"
 TOP_K = "top-k 1.56%, 2-bit values + error feedback"
+TOP_K_UNCHECKED = "top-k 1.56%, 2-bit, averages returned as top-k, unchecked"
 MEAN, ROBUST = "mean", "centered_clip"
 # comparison -> {setting: its overrides}; the first setting is the baseline the second is measured against
 COMPARISONS = {
@@ -60,6 +63,13 @@ COMPARISONS = {
               EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
               TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
                       "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
+    # what checking top-k averages costs: reducers return SPARSE8 (the default) or top-k with their residual
+    "checks": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
+               TOP_K_UNCHECKED: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+                                 "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2",
+                                 "-o", "averaging.verification.check_narrow_codes=false"],
+               TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+                       "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
     "aggregation": {MEAN: ["-o", "averaging.aggregation=mean"], ROBUST: ["-o", "averaging.aggregation=centered_clip"]},
     "mode": {"sync": ["-o", "training.mode=sync"], "diloco": ["-o", "training.mode=diloco"]},
     "widths": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
@@ -122,7 +132,8 @@ def main() -> None:
                         help="peerd's default mode instead of lockstep: shares depend on timing")
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="codec",
                         help="codec: 8-bit vs fp32 averaging; aggregation: centered_clip vs mean (8-bit); mode: "
-                        "sync vs diloco at equal samples; widths: 4- and 2-bit vs 8-bit codes")
+                        "sync vs diloco at equal samples; widths: 4- and 2-bit vs 8-bit codes; checks: top-k "
+                        "averages checked vs unchecked")
     parser.add_argument("--mode", choices=["sync", "diloco"], default="sync", help="training.mode of the runs")
     parser.add_argument("--inner-steps", type=int, default=20, help="diloco: micro-batches per peer per phase")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
@@ -190,7 +201,7 @@ def main() -> None:
         base = statistics.mean(r["val_loss"] for r in runs[base_name])
         base_spread = relative_spread([r["val_loss"] for r in runs[base_name]])
         base_kib = statistics.mean(r["round_kib"] for r in runs[base_name])
-        target = 2 if name == TOP_K else {"mode": 3, "widths": 2}.get(args.compare, 1)
+        target = 2 if name in (TOP_K, TOP_K_UNCHECKED) else {"mode": 3, "widths": 2}.get(args.compare, 1)
         ours = statistics.mean(r["val_loss"] for r in runs[name])
         kib = statistics.mean(r["round_kib"] for r in runs[name])
         print(f"\n{name} / {base_name} mean final validation loss: {ours / base:.5f} ({(ours / base - 1) * 100:+.3f}%); "

@@ -77,10 +77,11 @@ class AllReducer:
         self.audits = Audits()  # of spans that passed, after their round
 
     async def start(self) -> None:
-        if not checks_averages(self.config.codec):
-            logger.warning("averaging.codec.scheme %s: reducers' averages coded that way carry error feedback no "
-                           "member can bound, so this peer applies them unchecked (a lying reducer is not caught "
-                           "in these rounds; docs/security.md, verified reductions)", self.config.codec.scheme)
+        if not checks_averages(self.config.codec, self.config.verification.check_narrow_codes):
+            logger.warning("averaging.codec.scheme %s with averaging.verification.check_narrow_codes off: reducers' "
+                           "averages coded that way carry error feedback no member can bound, so this peer applies "
+                           "them unchecked (a lying reducer is not caught in these rounds; docs/security.md, "
+                           "verified reductions)", self.config.codec.scheme)
         await self.guard.add_handler(HANDLER_NAME, self._handle_stream)
         await self.evidence.start()
 

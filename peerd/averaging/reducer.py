@@ -27,12 +27,11 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.requests import SpanView
 from peerd.averaging.robust import RobustChunks, rule_label
-from peerd.averaging.verify.payloads import checks_averages, clamp_residual, envelope
+from peerd.averaging.verify.payloads import code_average, envelope
 from peerd.averaging.verify.record import SpanRecord
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.wire import codec
-from peerd.wire.feedback import encode_with_feedback
 
 logger = logging.getLogger(__name__)
 
@@ -158,15 +157,9 @@ class SpanReducer:
             members = [m for m in self.group.members if m in included]
             claims = [self.claims[m] for m in members]
             self.record.combined(index, members, [c / sum(claims) for c in claims])
-        # Code the average plus what coding dropped from our last one (kept within half a step of this average
-        # where members check the average against a bound, see verify/payloads.py; the narrower codes need all
-        # of it), and use the decoded average ourselves too, so every member applies bit-identical values.
-        residual = self.residual[start:end] if self.residual is not None else None
-        if residual is not None and checks_averages(self.codec_config):
-            int8 = not self.codec_config.lossless and end - start >= max(self.codec_config.min_compress_numel, 1)
-            clamp_residual(average, residual, self.codec_config.block_size, int8)
-        payload, _ = encode_with_feedback(
-            average, self.codec_config, self.peer_id, carried=residual, dropped=residual, decoded=average)
+        # coded as members can check it (verify/payloads.py), decoded in place: every member applies the same
+        payload = code_average(average, self.residual[start:end] if self.residual is not None else None,
+                               self.codec_config, self.config.verification.check_narrow_codes, self.peer_id)
         self.record.sign_output(index, payload)
         return payload
 

@@ -34,3 +34,12 @@ class VerificationConfig(Section):
         "members) when it happens.",
     )
     max_bans: int = Field(default=1024, ge=16, description="Bans kept at most; the oldest go first.")
+    check_narrow_codes: bool = Field(
+        default=True,
+        description="With `averaging.codec.scheme` topk, blockwise4 or blockwise2, reducers return averages "
+        "members can check: every nonzero element of an average of top-k rows (the union of the members' "
+        "supports) at 8 bits, or 8-bit blocks, without the reducer's own residual. That return leg costs more "
+        "bytes than the narrow code (docs/benchmarks.md). Off: averages return in the narrow code with the "
+        "reducer's residual and are applied unchecked, so a lying reducer is not caught. Must match across the "
+        "swarm: a peer that checks refuses (without accusing anyone) averages it cannot check.",
+    )

@@ -25,10 +25,11 @@ from peerd.errors import CodecError
 from peerd.wire import blockwise, topk
 from peerd.wire.blockwise import MAX_SCALE, MIN_SCALE
 
-__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode"]
+__all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode",
+           "encode_nonzero"]
 
 MAGIC = b"PDQ8"
-VERSION = 3  # 2 added the 4- and 2-bit schemes, 3 top-k; a payload is written with the oldest version of its scheme
+VERSION = 4  # 2 added the 4- and 2-bit schemes, 3 top-k, 4 SPARSE8; a payload is written with the oldest version of its scheme
 MAX_NDIM = 32
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 65536
 # magic, version, scheme, dtype code, ndim, block size, reserved (0), numel: 24 bytes, bodies stay 8-aligned.
@@ -44,12 +45,14 @@ class Scheme(IntEnum):
     TOPK8 = 5  # k, the positions of the k largest |x| (Elias-Fano), then their values as INT8_BLOCKWISE codes them
     TOPK4 = 6  # the same, values coded as INT4_BLOCKWISE
     TOPK2 = 7  # the same, values coded as INT2_BLOCKWISE
+    SPARSE8 = 8  # the layout of TOPK8 carrying every nonzero element: a checkable average of top-k rows
 
 
 # the payload version each scheme is written with: the oldest that has it
-_VERSIONS = {scheme: 3 if scheme >= Scheme.TOPK8 else 2 if scheme >= Scheme.INT4_BLOCKWISE else 1 for scheme in Scheme}
-TOPK_BITS = {Scheme.TOPK8: 8, Scheme.TOPK4: 4, Scheme.TOPK2: 2}
-_TOPK_SCHEMES = {bits: scheme for scheme, bits in TOPK_BITS.items()}
+_VERSIONS = {scheme: 4 if scheme >= Scheme.SPARSE8 else 3 if scheme >= Scheme.TOPK8
+             else 2 if scheme >= Scheme.INT4_BLOCKWISE else 1 for scheme in Scheme}
+TOPK_BITS = {Scheme.TOPK8: 8, Scheme.TOPK4: 4, Scheme.TOPK2: 2, Scheme.SPARSE8: 8}  # schemes with the top-k layout
+_TOPK_SCHEMES = {8: Scheme.TOPK8, 4: Scheme.TOPK4, 2: Scheme.TOPK2}
 BLOCKWISE_BITS = {Scheme.INT8_BLOCKWISE: 8, Scheme.INT4_BLOCKWISE: 4, Scheme.INT2_BLOCKWISE: 2}
 _SCHEMES = {"blockwise8": Scheme.INT8_BLOCKWISE, "blockwise4": Scheme.INT4_BLOCKWISE, "blockwise2": Scheme.INT2_BLOCKWISE}
 
@@ -133,10 +136,27 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
     return buf
 
 
+def encode_nonzero(tensor: torch.Tensor, block_size: int) -> bytearray:
+    """SPARSE8: every nonzero element of a float32/float16/bfloat16 tensor, its position and its value coded as
+    INT8_BLOCKWISE codes it (blocks of ``block_size`` sent values). What a reducer returns for an average of top-k
+    rows that members must be able to check: it is zero exactly where every row is, and within half a step of
+    the exact average elsewhere. Raises like :func:`encode`."""
+    if tensor.dtype not in DTYPE_CODES:
+        raise TypeError(f"codec supports float32, float16 and bfloat16 tensors, got {tensor.dtype}")
+    flat = tensor.detach().to("cpu").reshape(-1)
+    positions = torch.nonzero(flat).view(-1)  # sorted; NaN is nonzero, so the value coder sees and refuses it
+    return _encode_positions(flat, tuple(tensor.shape), block_size, Scheme.SPARSE8, positions)
+
+
 def _encode_topk(flat: torch.Tensor, shape: tuple[int, ...], block: int, bits: int, k: int) -> bytearray:
-    positions = topk.select(flat, k)
+    return _encode_positions(flat, shape, block, _TOPK_SCHEMES[bits], topk.select(flat, k))
+
+
+def _encode_positions(flat: torch.Tensor, shape: tuple[int, ...], block: int, scheme: Scheme,
+                      positions: torch.Tensor) -> bytearray:
+    bits = TOPK_BITS[scheme]
     size = topk.body_size(flat.numel(), positions.numel(), block, bits)
-    buf, head = _payload(_TOPK_SCHEMES[bits], flat.dtype, shape, block, size)
+    buf, head = _payload(scheme, flat.dtype, shape, block, size)
     if not topk.encode_body(flat, positions, block, bits, memoryview(buf)[head:]):
         raise _non_finite(flat.dtype)
     return buf

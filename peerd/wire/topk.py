@@ -1,6 +1,7 @@
 """The body of a top-k payload (schemes TOPK8, TOPK4, TOPK2 of ``protocols/codec.v1.md``, version 3): the ``k``
 largest-magnitude elements of a tensor, their positions Elias-Fano coded (:mod:`peerd.wire.sparse`) and their
 values blockwise coded at 8, 4 or 2 bits (:mod:`peerd.wire.blockwise`); every other element decodes as 0.
+SPARSE8 (version 4) is the TOPK8 body carrying every nonzero element.
 
 Layout: ``k`` (u64), then the positions, then ``ceil(k / block)`` bf16 scales, then the packed value codes.
 What is not sent is not lost: error feedback (:mod:`peerd.wire.feedback`) carries it into the next round, so an
@@ -16,7 +17,7 @@ import torch
 
 from peerd.wire import blockwise, sparse
 
-__all__ = ["body_size", "choose_k", "decode_body", "encode_body", "read_k", "select"]
+__all__ = ["body_size", "choose_k", "decode_body", "encode_body", "read_k", "select", "support"]
 
 _K = struct.Struct("<Q")
 _SAMPLE = 1 << 16  # elements sampled to estimate the k-th largest magnitude
@@ -65,6 +66,8 @@ def encode_body(flat: torch.Tensor, positions: torch.Tensor, block: int, bits: i
     values = flat[positions].contiguous()
     where, scales, codes = _sections(numel, k, block, bits)
     _K.pack_into(body, 0, k)
+    if k == 0:  # SPARSE8 of an all-zero tensor: nothing follows the count
+        return True
     at = _K.size
     sparse.encode_positions(positions, numel, body[at : at + where])
     at += where
@@ -137,3 +140,15 @@ def decode_body(raw: torch.Tensor, block: int, bits: int, flat: torch.Tensor) ->
     flat.zero_()
     flat[positions] = values
     return None
+
+
+def support(raw: torch.Tensor, numel: int, block: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted positions and the float32 value scales (one per ``block`` sent values) of a body that already
+    decoded without error (``decode_body``), read again without decoding the values."""
+    k = int(raw[: _K.size].view(torch.int64))
+    where, scales, _ = _sections(numel, k, block, bits)
+    positions = sparse.decode_positions(raw[_K.size : _K.size + where], numel, k)
+    if isinstance(positions, str):
+        raise TypeError(f"positions of a payload that decoded before do not decode now: {positions}")
+    at = _K.size + where
+    return positions, raw[at : at + scales].view(torch.int16).view(torch.bfloat16).float()

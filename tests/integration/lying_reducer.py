@@ -14,9 +14,9 @@ from typing import Any
 
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.serving import SenderStream
+from peerd.averaging.verify.payloads import code_average
 from peerd.cli import main
 from peerd.proto import peerd_averaging_pb2 as pb
-from peerd.wire.feedback import encode_with_feedback
 
 SCALE = -1000.0
 SPLIT = os.environ.get("LYING_REDUCER") == "split"
@@ -30,7 +30,9 @@ def _lying_average(self: SpanReducer, index: int) -> bytearray:
     if self.codec_config.lossless:
         return payload
     start, end = self.chunks[index]
-    lie, _ = encode_with_feedback(self.out[start:end] * SCALE, self.codec_config, self.peer_id)
+    # coded as an honest reducer codes its average (verify/payloads.py), so members decode and check it
+    lie = code_average(self.out[start:end] * SCALE, None, self.codec_config,
+                       self.config.verification.check_narrow_codes, self.peer_id)
     lies: dict[int, tuple[bytearray, bytes]] = self.__dict__.setdefault("lies", {})
     if not SPLIT:
         self.record.sign_output(index, lie)  # the statement and every member get the lie

@@ -111,7 +111,10 @@ def test_a_leader_cannot_pair_every_peer_with_itself(tmp_path: Path) -> None:
     # refused by whoever read it first; a trainer that had already passed the liar over as a silent leader
     # (its decision came after that trainer's deadline) never reads its decisions again
     assert any(r["refused"].get("bad_decision", 0) >= 1 for r in defended), defended
-    undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks")
+    # without the decision checks, and believing every registration and waiting for every decision: with the
+    # registration checks on, a decision that comes late under load gets the liar passed over as a silent leader,
+    # which would hide the attack by chance
+    undefended = silent_leader(tmp_path / "undefended", "pairs", undefended="decision-checks,registration-checks")
     # each such round costs a round timeout and leaves the honest trainers unaveraged with each other: in a pair
     # with the liar, or alone once a pair failed (which rounds go which way depends on who times out first)
     assert all(r["with_liar"] + r["rounds_solo"] >= STEPS // 3 for r in undefended), undefended

@@ -230,7 +230,7 @@ MALFORMED: dict[str, tuple[Callable[[], bytes | bytearray], str]] = {
     "truncated body": (lambda: int8_payload()[:-1], "truncated"),
     "extra byte": (lambda: int8_payload() + b"\0", "oversized"),
     "bad magic": (lambda: patch(int8_payload(), 0, "<4s", b"XXXX"), "magic"),
-    "bad version": (lambda: patch(int8_payload(), 4, "<B", 4), "version"),
+    "bad version": (lambda: patch(int8_payload(), 4, "<B", 5), "version"),
     "version 0": (lambda: patch(int8_payload(), 4, "<B", 0), "version"),
     "unknown scheme": (lambda: patch(int8_payload(), 5, "<B", 9), "scheme"),
     "unknown dtype": (lambda: patch(int8_payload(), 6, "<B", 7), "dtype"),
@@ -316,7 +316,7 @@ def test_scale_constants() -> None:
     assert math.isfinite(float(torch.tensor(MAX_SCALE) * 127))
     for value in (MAX_SCALE, MIN_SCALE):
         assert torch.tensor(value).bfloat16().item() == value  # exactly representable on the wire
-    assert VERSION == 3
+    assert VERSION == 4
 
 
 # ---- error feedback ------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Top-k payloads (schemes TOPK8/4/2): the largest elements travel, the rest decode as zero, error feedback
-carries them, and every malformed payload is refused naming the peer."""
+carries them, and every malformed payload is refused naming the peer. SPARSE8, the same layout carrying every
+nonzero element (a reducer's checkable average of top-k rows)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError
 from peerd.wire import sparse
 from peerd.wire.blockwise import QMAX
-from peerd.wire.codec import HEADER, Scheme, decode, encode
+from peerd.wire.codec import HEADER, Scheme, decode, encode, encode_nonzero
 from peerd.wire.topk import choose_k
 
 PEER = "12D3KooWTopKPeer"
@@ -47,6 +48,33 @@ def test_the_largest_travel_within_the_value_bound_and_the_rest_are_zero(bits: i
     padded = torch.nn.functional.pad(values.abs(), (0, -k % 128))
     absmax = padded.view(-1, 128).amax(1).repeat_interleave(128)[:k]
     assert bool(((values - decoded).abs() <= absmax / QMAX[bits] * 0.5 * (1 + 2.0**-7) + 2.0**-126).all())
+
+
+@pytest.mark.parametrize("nonzero", [0, 1, 300, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse8_carries_every_nonzero_element_within_half_a_step(nonzero: int, dtype: torch.dtype) -> None:
+    numel = 20_000
+    generator = torch.Generator().manual_seed(nonzero)
+    x = torch.zeros(numel, dtype=dtype)
+    where = torch.randperm(numel, generator=generator)[:nonzero]
+    x[where] = torch.randn(nonzero, generator=generator).to(dtype) * 10
+    payload = encode_nonzero(x.view(100, 200), 128)
+    assert payload[4] == 4 and payload[5] == Scheme.SPARSE8
+    y = decode(bytes(payload), peer_id=PEER, expected_shape=(100, 200)).view(-1)
+    assert y.dtype == dtype and bool((y[x == 0] == 0).all())
+    sent = where.sort().values
+    values, decoded = x[sent].double(), y[sent].double()
+    padded = torch.nn.functional.pad(values.abs(), (0, -nonzero % 128))
+    absmax = padded.view(-1, 128).amax(1).repeat_interleave(128)[:nonzero] if nonzero else padded
+    assert bool(((values - decoded).abs() <= absmax / 127 * 0.5 * (1 + 2.0**-7) + 2.0**-126 + 1e-2 * (
+        dtype == torch.bfloat16) * values.abs()).all())
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        encode_nonzero(torch.tensor([0.0, float("nan"), 1.0]), 128)
+    # version 3 decoders know no SPARSE8; a version 3 payload claiming it is refused
+    old = bytearray(payload)
+    old[4] = 3
+    with pytest.raises(CodecError, match="SPARSE8 in a version 3 payload"):
+        decode(bytes(old), peer_id=PEER, expected_shape=(100, 200))
 
 
 def assert_best_ternary(values: torch.Tensor, decoded: torch.Tensor, block: int = 128) -> None:

@@ -23,6 +23,7 @@ from peerd.config import CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
+from peerd.wire.topk import choose_k
 from tests.unit.verified_chunks import Span
 
 pytestmark = pytest.mark.timeout(60)
@@ -250,16 +251,90 @@ def test_a_state_round_statement_declaring_copies_is_refused() -> None:
 
 @pytest.mark.parametrize("scheme", ["topk", "blockwise2"])
 def test_an_average_coded_with_error_feedback_is_left_unchecked_and_its_reducer_never_convicted(scheme: str) -> None:
-    """A top-k (or 2-bit) average carries most of what it drops into the reducer's next round: honest, it may be
-    far from the exact one, by a residual only the reducer holds. Members that code so themselves apply it
-    unchecked; those that check every average (8-bit, exact) refuse it; a dispute never convicts its reducer."""
+    """With ``check_narrow_codes`` off, a top-k (or 2-bit) average carries most of what it drops into the
+    reducer's next round: honest, it may be far from the exact one, by a residual only the reducer holds. Members
+    that code so themselves apply it unchecked; those that check every average refuse it; a dispute never
+    convicts its reducer."""
     narrow = CodecConfig(scheme=scheme, min_compress_numel=0)  # type: ignore[arg-type]
     rows = rows_of(4)
-    span = Span(rows, "centered_clip", codec=narrow, residual=rows[0] * 3)
+    span = Span(rows, "centered_clip", codec=narrow, residual=rows[0] * 3, check_narrow_codes=False)
     payload = view(span.out_payload)
-    assert not bounded(payload) and not checks_averages(narrow)
-    assert checks_averages(CodecConfig()) and checks_averages(CodecConfig(lossless=True))
+    assert not bounded(payload) and not checks_averages(narrow, check_narrow_codes=False)
+    assert checks_averages(CodecConfig(), False) and checks_averages(CodecConfig(lossless=True), False)
     with pytest.raises(Inconsistent):  # what a member that checks it would find: so it does not apply it
         check(span)
     assert judge(span) == Judgment()
     assert proven(span) is None
+
+
+def sparse_rows(n: int, density: float, seed: int = 0) -> torch.Tensor:
+    """What members of a top-k round contribute: each row's largest ``density`` share, as its payload carries
+    them (the reducer averages the decoded rows)."""
+    config = CodecConfig(scheme="topk", density=density, min_compress_numel=0)
+    return torch.stack([codec.decode(codec.encode(row, config), peer_id="test", expected_shape=(NUMEL,))
+                        for row in rows_of(n, seed)])
+
+
+@pytest.mark.parametrize(("scheme", "coded"),
+                         [("topk", codec.Scheme.SPARSE8), ("blockwise2", codec.Scheme.INT8_BLOCKWISE)])
+@pytest.mark.parametrize("rule", ["mean", *ROBUST])
+def test_narrow_codes_return_a_checkable_average_an_honest_one_passes_and_a_lie_is_convicted(
+        scheme: str, coded: codec.Scheme, rule: str) -> None:
+    """By default a reducer of top-k rows returns every nonzero element of its average at 8 bits (SPARSE8), one
+    of 2-bit rows 8-bit blocks, without its residual: members check it like an 8-bit average. An honest one
+    passes whatever the reducer carried and is never convicted; -1001x the average, or an element of the
+    members' union support left out, fails and the dispute's proof convicts the reducer."""
+    narrow = CodecConfig(scheme=scheme, min_compress_numel=0)  # type: ignore[arg-type]
+    assert checks_averages(narrow, check_narrow_codes=True)
+    for seed in range(5):
+        rows = sparse_rows(4, 0.02, seed) if scheme == "topk" else rows_of(4, seed)
+        span = Span(rows, rule, codec=narrow, residual=3 * rows[0], seed=bytes([seed]) * 32)
+        payload = view(span.out_payload)
+        assert payload.scheme is coded and bounded(payload)
+        if scheme == "topk":  # within the union of the members' supports (trimmed_mean drops some), <= n x k
+            assert payload.support is not None
+            union = torch.nonzero(span.decoded.abs().sum(0)).view(-1)
+            assert bool(torch.isin(payload.support, union).all())
+            assert payload.support.numel() <= 4 * choose_k(NUMEL, 0.02)
+        check(span)
+        assert judge(span) == Judgment()
+        assert proven(span) is None
+    span.average(lie=-1001 * span.out.clone())
+    with pytest.raises(Inconsistent):  # at the samples, or in the envelope where they fall on zeros only
+        check(span)
+    assert judge(span).reducer is not None and proven(span) is not None
+
+
+def test_a_sparse_average_leaving_out_part_of_the_union_support_is_caught() -> None:
+    """A reducer that drops sent elements of the average (codes fewer than every nonzero one) is caught at the
+    samples that fall on them; the dispute, which recomputes the whole chunk, convicts it."""
+    rows = sparse_rows(4, 0.3)
+    span = Span(rows, "mean", codec=CodecConfig(scheme="topk", min_compress_numel=0))
+    hit = span.randomness.offsets(0, 0, NUMEL)
+    dropped = torch.zeros(NUMEL)
+    dropped[hit] = span.out[hit]  # the sampled elements of the support, as a lie would need to hide from
+    span.average(lie=-dropped)
+    assert view(span.out_payload).scheme is codec.Scheme.SPARSE8
+    with pytest.raises(Inconsistent, match="the rule gives"):
+        check(span)
+    assert proven(span) is not None
+
+
+def test_a_small_element_rounded_up_by_a_large_neighbours_step_is_no_false_alarm() -> None:
+    """A block of SPARSE8's sent values spans coarse blocks: rounding by the step of one member's large element
+    lifts another's small one (0.03 of an exact average coded as 0.039) above its coarse block's bound from the
+    rows. The envelope takes that rounding off, so the honest reducer passes; a lie on one element still shows."""
+    rows = torch.zeros(4, NUMEL)
+    generator = torch.Generator().manual_seed(1)
+    for r in range(1, 4):
+        rows[r, torch.randperm(NUMEL, generator=generator)[:200]] = torch.rand(200, generator=generator) * 0.01
+    rows[1:, 4100] = 0.04  # the largest of its coarse block (elements 4096-8191)
+    rows[0, 4090] = 10.0  # the neighbour in the union's block of sent values, in the coarse block before
+    span = Span(rows, "mean", codec=CodecConfig(scheme="topk", value_bits=8, density=0.05, min_compress_numel=0))
+    assert float(span.out[4100]) > 1.2 * 0.75 * 0.04  # rounded up by the neighbour's step
+    check(span)
+    lie = torch.zeros(NUMEL)
+    lie[next(i for i in range(4096, 8192) if i not in set(span.randomness.offsets(0, 0, NUMEL).tolist()))] = 1.0
+    span.average(lie)
+    with pytest.raises(Inconsistent, match="magnitudes"):
+        check(span)

@@ -12,7 +12,7 @@ import torch
 from peerd.averaging.aggregation import combine
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import checks_averages, clamp_residual, envelope, view
+from peerd.averaging.verify.payloads import code_average, envelope, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
 from peerd.averaging.verify.statement import (
@@ -27,7 +27,6 @@ from peerd.averaging.verify.statement import (
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
-from peerd.wire.feedback import encode_with_feedback
 from tests.identities import signers
 
 CODEC = CodecConfig(min_compress_numel=0)
@@ -44,12 +43,14 @@ class Span:
     residual: torch.Tensor | None = None  # the reducer's carried residual
     seed: bytes = SEED
     codec: CodecConfig = field(default_factory=lambda: CODEC)  # lossless: state averaging's rounds
+    check_narrow_codes: bool = True  # averaging.verification.check_narrow_codes
     round_id: str = "round"  # a gradient round's; '<prefix>.state.<step>/<digest>' for a state round's
     config: AveragingConfig = field(init=False)
 
     def __post_init__(self) -> None:
         n, numel = self.rows.shape
-        self.config = AveragingConfig(aggregation=self.rule, codec=self.codec, chunk_numel=max(numel, 1024))  # type: ignore[arg-type]
+        self.config = AveragingConfig(aggregation=self.rule, codec=self.codec, chunk_numel=max(numel, 1024),  # type: ignore[arg-type]
+                                      verification={"check_narrow_codes": self.check_narrow_codes})
         self.identities = signers(n)
         self.signing = [SigningKey(identity) for identity in self.identities]
         self.group = Group(self.round_id, tuple(i.peer_id for i in self.identities))
@@ -74,10 +75,7 @@ class Span:
         if lie is not None:
             out += lie
         residual = self.residual.clone() if self.residual is not None else None
-        if residual is not None and checks_averages(self.codec):  # as the reducer does
-            clamp_residual(out, residual, CODEC.block_size, int8=not self.codec.lossless)
-        self.out_payload = bytes(encode_with_feedback(out, self.codec, "reducer", carried=residual,
-                                                      dropped=residual, decoded=out)[0])
+        self.out_payload = bytes(code_average(out, residual, self.codec, self.check_narrow_codes, "reducer"))
         self.out = out
         self.out_signature = self.sign_output(self.out_payload)
 

@@ -11,11 +11,13 @@
   stays within its coefficients' combination of the rows' envelopes: a lie concentrated on a few elements the
   sampled coordinates miss still shows there if it is large.
 
-Only averages coded exactly, in fp16 or in 8-bit blocks have a bound (:func:`bounded`). The narrower schemes
-(4 and 2 bits, top-k) work only with error feedback carrying most of what a round drops into the next, so an
-honest reducer's coded average may be far from its exact one, by a residual nobody else holds: no member can
-tell such an average from a lie, and none applies one unchecked unless it codes that way itself
-(``round.RoundVerification``).
+Only averages coded exactly, in fp16, in 8-bit blocks or as SPARSE8 (every nonzero element at 8 bits) have a
+bound (:func:`bounded`). The narrower schemes (4 and 2 bits, top-k) work only with error feedback carrying most
+of what a round drops into the next, so an honest reducer's average coded that way may be far from its exact
+one, by a residual nobody else holds: no member can tell it from a lie. So a reducer whose members send narrow
+codes returns its average in a checkable code (:func:`average_code`) unless
+``averaging.verification.check_narrow_codes`` is off; then members apply such averages unchecked, and only if
+they code that way themselves (``round.RoundVerification``).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from peerd.config import CodecConfig
-from peerd.wire.codec import HEADER, MIN_SCALE, Scheme
+from peerd.wire import codec, topk
+from peerd.wire.codec import HEADER, MIN_SCALE, TOPK_BITS, Scheme
+from peerd.wire.feedback import encode_with_feedback
 
-__all__ = ["COARSE_BLOCKS", "PayloadView", "bounded", "checks_averages", "clamp_residual", "envelope", "error_bound",
-           "view"]
+__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "bounded", "checks_averages", "clamp_residual",
+           "code_average", "envelope", "error_bound", "view"]
 
 COARSE_BLOCKS = 32
 ERROR_SLACK = 1.01  # |average - exact| <= 1.002 scales with the clamped residual; bf16 scales round up
@@ -41,16 +45,23 @@ TINY = 127 * 4 * MIN_SCALE
 class PayloadView:
     scheme: Scheme
     numel: int
-    block: int  # INT8 block size; 0 otherwise
+    block: int  # INT8 block size (SPARSE8: sent values per scale); 0 otherwise
     scales: torch.Tensor | None  # INT8: one float32 scale per block
+    support: torch.Tensor | None = None  # SPARSE8: the sorted positions it carries (every other element is 0)
+    support_scales: torch.Tensor | None = None  # SPARSE8: one float32 scale per block of sent values
 
 
 def view(payload: bytes | bytearray) -> PayloadView:
     """The scheme and scales of a payload that already decoded without error (so its layout is valid)."""
-    _, _, scheme, _, ndim, block, _, numel = HEADER.unpack_from(payload)
+    _, _, code, _, ndim, block, _, numel = HEADER.unpack_from(payload)
     head = HEADER.size + 8 * ndim
-    if Scheme(scheme) is not Scheme.INT8_BLOCKWISE:
-        return PayloadView(Scheme(scheme), numel, 0, None)
+    scheme = Scheme(code)
+    if scheme is Scheme.SPARSE8:
+        body = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8)
+        positions, scales = topk.support(body, numel, block, TOPK_BITS[scheme])
+        return PayloadView(scheme, numel, block, None, positions, scales)
+    if scheme is not Scheme.INT8_BLOCKWISE:
+        return PayloadView(scheme, numel, 0, None)
     nblocks = -(-numel // block)
     raw = torch.frombuffer(bytearray(payload[head : head + 2 * nblocks]), dtype=torch.bfloat16)
     return PayloadView(Scheme.INT8_BLOCKWISE, numel, block, raw.float())
@@ -58,14 +69,44 @@ def view(payload: bytes | bytearray) -> PayloadView:
 
 def bounded(payload: PayloadView) -> bool:
     """Whether an honest reducer's average coded as ``payload`` is within a known bound of its exact one."""
-    return payload.scheme in (Scheme.RAW, Scheme.FP16, Scheme.INT8_BLOCKWISE)
+    return payload.scheme in (Scheme.RAW, Scheme.FP16, Scheme.INT8_BLOCKWISE, Scheme.SPARSE8)
 
 
-def checks_averages(codec: CodecConfig) -> bool:
-    """Whether a peer coding with ``codec`` codes every average it reduces within a bound (:func:`bounded`),
-    and so checks every average it applies: exact or 8-bit codes, not the narrower ones error feedback
-    carries."""
-    return codec.lossless or codec.scheme == "blockwise8"
+def checks_averages(config: CodecConfig, check_narrow_codes: bool) -> bool:
+    """Whether a peer coding with ``config`` codes every average it reduces within a bound (:func:`bounded`),
+    and so checks every average it applies: exact or 8-bit codes, or narrower ones whose averages return in a
+    checkable code (``averaging.verification.check_narrow_codes``)."""
+    return config.lossless or config.scheme == "blockwise8" or check_narrow_codes
+
+
+def average_code(config: CodecConfig, check_narrow_codes: bool) -> tuple[CodecConfig, bool]:
+    """How a reducer whose members code with ``config`` codes the averages it returns: ``(config, nonzero)``.
+    ``nonzero``: as SPARSE8, every nonzero element of an average of top-k rows at 8 bits (the returned config
+    then serves chunks below its ``min_compress_numel``). Under ``check_narrow_codes``, averages of 4- and
+    2-bit rows return in 8-bit blocks and those of top-k rows as SPARSE8, without the reducer's residual."""
+    if config.lossless or config.scheme == "blockwise8" or not check_narrow_codes:
+        return config, False
+    return config.model_copy(update={"scheme": "blockwise8"}), config.scheme == "topk"
+
+
+def code_average(average: torch.Tensor, residual: torch.Tensor | None, config: CodecConfig, check_narrow_codes: bool,
+                 peer_id: str) -> bytearray:
+    """A reducer's payload of one chunk's ``average`` (members coding with ``config``), which is replaced by
+    what every member decodes of it, so that the reducer applies bit-identical values. ``residual``: what
+    coding dropped from this peer's last average of these elements, added to this one where the code needs it
+    (kept within half a step of it where members check the average: :func:`clamp_residual`; dropped for
+    SPARSE8), and replaced by what this coding drops."""
+    average_config, nonzero = average_code(config, check_narrow_codes)
+    coded = not average_config.lossless and average.numel() >= max(average_config.min_compress_numel, 1)
+    if residual is not None and checks_averages(config, check_narrow_codes):
+        clamp_residual(average, residual, average_config.block_size, coded and not nonzero)
+    if coded and nonzero:  # every nonzero element, no residual: within a step of the exact average
+        payload = codec.encode_nonzero(average, average_config.block_size)
+        codec.decode(payload, peer_id=peer_id, expected_shape=tuple(average.shape), out=average)
+        return payload
+    payload, _ = encode_with_feedback(average, average_config, peer_id, carried=residual, dropped=residual,
+                                      decoded=average)
+    return payload
 
 
 def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -73,6 +114,14 @@ def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor
     coded value may be from its exact average, float64."""
     if payload.scales is not None:
         return payload.scales[index // payload.block].double() * ERROR_SLACK + TINY
+    if payload.support is not None and payload.support_scales is not None:
+        # a sent element: half a step of its block of sent values (no residual); any other element is exactly 0
+        bound = torch.zeros(index.numel(), dtype=torch.float64)
+        if payload.support.numel():
+            at = torch.searchsorted(payload.support, index).clamp_(max=payload.support.numel() - 1)
+            sent = payload.support[at] == index
+            bound[sent] = payload.support_scales[at[sent] // payload.block].double() * ERROR_SLACK
+        return bound + TINY
     if payload.scheme is Scheme.FP16:
         return decoded[index].double().abs() * FP16_RELATIVE + FP16_ABSOLUTE
     return torch.zeros(index.numel(), dtype=torch.float64)
@@ -80,7 +129,8 @@ def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor
 
 def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int) -> torch.Tensor:
     """Per coarse block of ``COARSE_BLOCKS * block_size`` elements: an upper bound on |value| (float32).
-    From the scales when the payload's blocks are the configured ones, else from the values."""
+    From the scales when the payload's blocks are the configured ones, else from the values (SPARSE8: each less
+    what coding may have added to it, so a bound on the exact values the average codes)."""
     coarse = COARSE_BLOCKS * block_size
     blocks = -(-decoded.numel() // coarse)
     if payload is not None and payload.scales is not None and payload.block == block_size:
@@ -88,6 +138,15 @@ def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int
         padded = torch.zeros(blocks * COARSE_BLOCKS)
         padded[: scales.numel()] = scales
         return padded.view(blocks, COARSE_BLOCKS).amax(1).mul_(127.0)
+    if payload is not None and payload.support is not None and payload.support_scales is not None:
+        # SPARSE8: a block of sent values spans coarse blocks, and rounding by its step can lift a small element
+        # above its own coarse block's exact bound; |decoded| less half that step is at most the exact value
+        bound = torch.zeros(blocks)
+        if payload.support.numel():
+            half_step = payload.support_scales[torch.arange(payload.support.numel()) // payload.block] * 0.5
+            sent = (decoded[payload.support].float().abs() - half_step * ERROR_SLACK).clamp_(min=0)
+            bound.scatter_reduce_(0, payload.support // coarse, sent, reduce="amax")
+        return bound
     if not blocks:
         return torch.zeros(0)
     full = decoded.numel() // coarse

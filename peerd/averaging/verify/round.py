@@ -239,7 +239,7 @@ class RoundVerification:
                     return Verdict(False, "its statement misstates this member's row", index)
             payload = view(output[0])
             if not bounded(payload):
-                if checks_averages(self.config.codec):
+                if checks_averages(self.config.codec, self.config.verification.check_narrow_codes):
                     return Verdict(False, f"its average of chunk {index} is coded {payload.scheme.name}, which no "
                                           f"member can check; this peer applies only averages it checks")
                 unchecked.append(index)  # this peer codes that way itself: it takes the averages on trust
