@@ -27,11 +27,12 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.requests import SpanView
 from peerd.averaging.robust import RobustChunks, rule_label
-from peerd.averaging.verify.payloads import code_average, envelope
+from peerd.averaging.verify.payloads import average_code, code_average, envelope
 from peerd.averaging.verify.record import SpanRecord
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.wire import codec
+from peerd.wire.feedback import encode_with_feedback
 
 logger = logging.getLogger(__name__)
 
@@ -127,12 +128,19 @@ class SpanReducer:
     def _own_row(self, index: int) -> torch.Tensor:
         """This peer's row of chunk ``index``: its values plus its carried residual, exactly (the residual is
         zeroed), in ``record.own_row``; the record keeps it as a lossless payload, which the statement's
-        signature binds (hashing its 4 bytes an element costs less than coding it)."""
+        signature binds (hashing its 4 bytes an element costs less than coding it). Where the average returns
+        as SPARSE8 the row is top-k coded as every member's is (what that drops stays in the residual): one
+        dense row would make the average, and its SPARSE8 payload, dense."""
         start, end = self.chunks[index]
         row = self.record.own_row[start:end]
-        if self.own_residual is not None:
-            torch.add(self.own[start:end], self.own_residual[start:end], out=row)
-            self.own_residual[start:end] = 0
+        carried = self.own_residual[start:end] if self.own_residual is not None else None
+        _, nonzero = average_code(self.codec_config, self.config.verification.check_narrow_codes)
+        if nonzero and end - start >= max(self.codec_config.min_compress_numel, 1):
+            encode_with_feedback(self.own[start:end], self.codec_config, self.peer_id, carried=carried,
+                                 dropped=carried, decoded=row)
+        elif carried is not None:
+            torch.add(self.own[start:end], carried, out=row)
+            carried.zero_()
         else:
             row.copy_(self.own[start:end])
         payload = codec.encode(row, RAW)
