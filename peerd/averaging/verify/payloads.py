@@ -115,7 +115,8 @@ def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor
     if payload.scales is not None:
         return payload.scales[index // payload.block].double() * ERROR_SLACK + TINY
     if payload.support is not None and payload.support_scales is not None:
-        # a sent element: half a step of its block of sent values (no residual); any other element is exactly 0
+        # a sent element: the step of its block of sent values, as for 8-bit blocks (rounding takes half of it;
+        # SPARSE8 carries no residual); any other element is exactly 0
         bound = torch.zeros(index.numel(), dtype=torch.float64)
         if payload.support.numel():
             at = torch.searchsorted(payload.support, index).clamp_(max=payload.support.numel() - 1)
