@@ -62,6 +62,8 @@ class SpanReducer:
         coding drops of it, as a sender's residual does. ``agreeing``: the members' rows are meant to be
         identical (aggregation.combine)."""
         self.residual, self.own_residual = residual, own_residual
+        # the average returns as SPARSE8: this peer's own row is then top-k coded like every member's
+        self._sparse_average = average_code(codec_config, config.verification.check_narrow_codes)[1]
         self.record = record
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
         self.peer_id, self.out, self.own, self.own_weight = peer_id, out, own, weight
@@ -134,8 +136,7 @@ class SpanReducer:
         start, end = self.chunks[index]
         row = self.record.own_row[start:end]
         carried = self.own_residual[start:end] if self.own_residual is not None else None
-        _, nonzero = average_code(self.codec_config, self.config.verification.check_narrow_codes)
-        if nonzero and end - start >= max(self.codec_config.min_compress_numel, 1):
+        if self._sparse_average and end - start >= max(self.codec_config.min_compress_numel, 1):
             encode_with_feedback(self.own[start:end], self.codec_config, self.peer_id, carried=carried,
                                  dropped=carried, decoded=row)
         elif carried is not None:

@@ -142,11 +142,12 @@ def decode_body(raw: torch.Tensor, block: int, bits: int, flat: torch.Tensor) ->
     return None
 
 
-def support(raw: torch.Tensor, numel: int, block: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def support(body: memoryview, numel: int, block: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sorted positions and the float32 value scales (one per ``block`` sent values) of a body that already
-    decoded without error (``decode_body``), read again without decoding the values."""
-    k = int(raw[: _K.size].view(torch.int64))
+    decoded without error (``decode_body``), read again without copying or decoding the values."""
+    k = _K.unpack_from(body)[0]
     where, scales, _ = _sections(numel, k, block, bits)
+    raw = torch.frombuffer(bytearray(body[: _K.size + where + scales]), dtype=torch.uint8)
     positions = sparse.decode_positions(raw[_K.size : _K.size + where], numel, k)
     if isinstance(positions, str):
         raise TypeError(f"positions of a payload that decoded before do not decode now: {positions}")

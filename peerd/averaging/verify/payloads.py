@@ -57,8 +57,7 @@ def view(payload: bytes | bytearray) -> PayloadView:
     head = HEADER.size + 8 * ndim
     scheme = Scheme(code)
     if scheme is Scheme.SPARSE8:
-        body = torch.frombuffer(bytearray(payload[head:]), dtype=torch.uint8)
-        positions, scales = topk.support(body, numel, block, TOPK_BITS[scheme])
+        positions, scales = topk.support(memoryview(payload)[head:], numel, block, TOPK_BITS[scheme])
         return PayloadView(scheme, numel, block, None, positions, scales)
     if scheme is not Scheme.INT8_BLOCKWISE:
         return PayloadView(scheme, numel, 0, None)
