@@ -27,12 +27,12 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.requests import SpanView
 from peerd.averaging.robust import RobustChunks, rule_label
-from peerd.averaging.verify.payloads import average_code, code_average, envelope
+from peerd.averaging.verify.payloads import code_average, envelope, scheme_of, sent_count
 from peerd.averaging.verify.record import SpanRecord
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.wire import codec
-from peerd.wire.feedback import encode_with_feedback
+from peerd.wire.feedback import readd_left_out
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,6 @@ class SpanReducer:
         coding drops of it, as a sender's residual does. ``agreeing``: the members' rows are meant to be
         identical (aggregation.combine)."""
         self.residual, self.own_residual = residual, own_residual
-        # the average returns as SPARSE8: this peer's own row is then top-k coded like every member's
-        self._sparse_average = average_code(codec_config, config.verification.check_narrow_codes)[1]
         self.record = record
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
         self.peer_id, self.out, self.own, self.own_weight = peer_id, out, own, weight
@@ -76,6 +74,7 @@ class SpanReducer:
         self.weights = [weight for _ in self.chunks]
         self.claims = {peer_id: weight}  # the weight each member's rows entered the mean with
         self.included: list[set[str]] = [{peer_id} for _ in self.chunks]
+        self.counts = [0 for _ in self.chunks]  # the most elements an included top-k row carries, per chunk
         self.payloads: list[bytearray | None] = [None for _ in self.chunks]
         self.ready = [asyncio.Event() for _ in self.chunks]
         self.excluded: dict[str, str] = {}
@@ -129,17 +128,13 @@ class SpanReducer:
 
     def _own_row(self, index: int) -> torch.Tensor:
         """This peer's row of chunk ``index``: its values plus its carried residual, exactly (the residual is
-        zeroed), in ``record.own_row``; the record keeps it as a lossless payload, which the statement's
-        signature binds (hashing its 4 bytes an element costs less than coding it). Where the average returns
-        as SPARSE8 the row is top-k coded as every member's is (what that drops stays in the residual): one
-        dense row would make the average, and its SPARSE8 payload, dense."""
+        zeroed, and takes back what a SPARSE8 average leaves out of the row), in ``record.own_row``; the record
+        keeps it as a lossless payload, which the statement's signature binds (hashing its 4 bytes an element
+        costs less than coding it)."""
         start, end = self.chunks[index]
         row = self.record.own_row[start:end]
         carried = self.own_residual[start:end] if self.own_residual is not None else None
-        if self._sparse_average and end - start >= max(self.codec_config.min_compress_numel, 1):
-            encode_with_feedback(self.own[start:end], self.codec_config, self.peer_id, carried=carried,
-                                 dropped=carried, decoded=row)
-        elif carried is not None:
+        if carried is not None:
             torch.add(self.own[start:end], carried, out=row)
             carried.zero_()
         else:
@@ -168,7 +163,10 @@ class SpanReducer:
             self.record.combined(index, members, [c / sum(claims) for c in claims])
         # coded as members can check it (verify/payloads.py), decoded in place: every member applies the same
         payload = code_average(average, self.residual[start:end] if self.residual is not None else None,
-                               self.codec_config, self.config.verification.check_narrow_codes, self.peer_id)
+                               self.codec_config, self.config.verification.check_narrow_codes, self.peer_id,
+                               self.counts[index])
+        if self.own_residual is not None and scheme_of(payload) is codec.Scheme.SPARSE8:
+            readd_left_out(self.own_residual[start:end], self.record.own_row[start:end], average)
         self.record.sign_output(index, payload)
         return payload
 
@@ -236,6 +234,7 @@ class SpanReducer:
             with self._sum_lock:
                 self._check_open(index, sender)  # excluded meanwhile (e.g. timed out): its row is not read
                 self.included[index].add(sender)
+                self.counts[index] = max(self.counts[index], sent_count(data))
             return
         chunk = scratch[: end - start]
         codec.decode(data, peer_id=sender, expected_shape=(end - start,), max_numel=end - start, out=chunk)
@@ -246,6 +245,7 @@ class SpanReducer:
             self.weights[index] += weight
             self.claims[sender] = weight
             self.included[index].add(sender)
+            self.counts[index] = max(self.counts[index], sent_count(data))
 
     def _check_open(self, index: int, sender: str) -> None:
         """Under ``_sum_lock``: ProtocolViolation if chunk ``index`` is already being averaged."""

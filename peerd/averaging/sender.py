@@ -22,7 +22,7 @@ from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
-from peerd.averaging.verify.payloads import envelope, view
+from peerd.averaging.verify.payloads import envelope, scheme_of, sent_count, view
 from peerd.averaging.verify.round import RoundVerification
 from peerd.averaging.verify.samples import OwnRow
 from peerd.averaging.verify.statement import SEAL, seal_parts
@@ -31,7 +31,7 @@ from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
-from peerd.wire.feedback import encode_with_feedback
+from peerd.wire.feedback import encode_with_feedback, readd_left_out
 from peerd.wire.frames import frame_size, read_frame, read_message, write_frames, write_message
 from peerd.wire.guard import StreamGuard
 
@@ -76,6 +76,7 @@ class SpanExchange:
         self.norms: dict[int, float] = {}
         self.hashes: list[bytes] = []
         self.envelopes: list[torch.Tensor] = []
+        self.counts: list[int] = []
 
     async def run(self) -> None:
         stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -162,13 +163,14 @@ class SpanExchange:
             payload, self.norms[k], digest, bound = await coding
             self.hashes.append(digest)
             self.envelopes.append(bound)
+            self.counts.append(sent_count(payload))
             coding = self._encode(k + 1) if k + 1 < len(self.chunks) else None  # coded while this one drains
             # length and payload in one write: a lone 8-byte write would be a frame of its own on the wire
             sent = await write_frames(writer, [payload])
             self.report.bytes_sent += sent  # after the await: several reducers are fed at once
         seal = v.signing.sign(SEAL, *seal_parts(self.group.round_id, self.index, self.source.numel(),
                                                 self.config.chunk_numel, self.weight, self.hashes))
-        v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes)
+        v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes, self.counts)
         v.own_hashes[self.index] = self.hashes
         self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(seal=seal))
 
@@ -198,6 +200,8 @@ class SpanExchange:
         # included => the reducer got our chunk k, so its encoding (and `dropped`) is complete
         if self.carried is not None and self.dropped is not None and response.included:
             self.carried[a:b] = self.dropped[a:b]
+            if scheme_of(data) is codec.Scheme.SPARSE8:  # it carries no residual: ours takes what it left out
+                readd_left_out(self.carried[a:b], self.decoded[a:b], self.out[a:b])
             norm = self.norms.get(k, 0.0)
             self.errors.append(float(self.dropped[a:b].norm()) / norm if norm else 0.0)
 

@@ -37,8 +37,8 @@ class VerificationConfig(Section):
     check_narrow_codes: bool = Field(
         default=True,
         description="With `averaging.codec.scheme` topk, blockwise4 or blockwise2, reducers return averages "
-        "members can check: every nonzero element of an average of top-k rows (the union of the members' "
-        "supports) at 8 bits, or 8-bit blocks, without the reducer's own residual. That return leg costs more "
+        "members can check: the k largest elements of an average of top-k rows at 8 bits (each member carries "
+        "what that leaves out of its own row), or 8-bit blocks, without the reducer's own residual. That return leg costs more "
         "bytes than the narrow code (docs/benchmarks.md). Off: averages return in the narrow code with the "
         "reducer's residual and are applied unchecked, so a lying reducer is not caught. Must match across the "
         "swarm: a peer that checks refuses (without accusing anyone) averages it cannot check.",

@@ -26,7 +26,7 @@ from peerd.wire import blockwise, topk
 from peerd.wire.blockwise import MAX_SCALE, MIN_SCALE
 
 __all__ = ["HEADER", "MAGIC", "MAX_NDIM", "MAX_SCALE", "MIN_SCALE", "VERSION", "Scheme", "decode", "encode",
-           "encode_nonzero"]
+           "encode_largest"]
 
 MAGIC = b"PDQ8"
 VERSION = 4  # 2 added the 4- and 2-bit schemes, 3 top-k, 4 SPARSE8; a payload is written with the oldest version of its scheme
@@ -45,7 +45,7 @@ class Scheme(IntEnum):
     TOPK8 = 5  # k, the positions of the k largest |x| (Elias-Fano), then their values as INT8_BLOCKWISE codes them
     TOPK4 = 6  # the same, values coded as INT4_BLOCKWISE
     TOPK2 = 7  # the same, values coded as INT2_BLOCKWISE
-    SPARSE8 = 8  # the layout of TOPK8 carrying every nonzero element: a checkable average of top-k rows
+    SPARSE8 = 8  # the layout of TOPK8; left out: no element larger than one carried (a checkable average)
 
 
 # the payload version each scheme is written with: the oldest that has it
@@ -136,16 +136,16 @@ def _encode_small(flat: torch.Tensor, shape: tuple[int, ...]) -> bytearray:
     return buf
 
 
-def encode_nonzero(tensor: torch.Tensor, block_size: int) -> bytearray:
-    """SPARSE8: every nonzero element of a float32/float16/bfloat16 tensor, its position and its value coded as
-    INT8_BLOCKWISE codes it (blocks of ``block_size`` sent values). What a reducer returns for an average of top-k
-    rows that members must be able to check: it is zero exactly where every row is, and within half a step of
-    the exact average elsewhere. Raises like :func:`encode`."""
+def encode_largest(tensor: torch.Tensor, block_size: int, k: int) -> bytearray:
+    """SPARSE8: the ``k`` largest |elements| of a float32/float16/bfloat16 tensor (every nonzero one if there are no
+    more), their positions and their values coded as INT8_BLOCKWISE codes them (blocks of ``block_size`` sent
+    values). What a reducer returns for an average of top-k rows, checkable by members: no element it leaves out
+    is larger than one it carries, and each it carries is within half a step of the exact average. Raises like
+    :func:`encode`."""
     if tensor.dtype not in DTYPE_CODES:
         raise TypeError(f"codec supports float32, float16 and bfloat16 tensors, got {tensor.dtype}")
     flat = tensor.detach().to("cpu").reshape(-1)
-    positions = torch.nonzero(flat).view(-1)  # sorted; NaN is nonzero, so the value coder sees and refuses it
-    return _encode_positions(flat, tuple(tensor.shape), block_size, Scheme.SPARSE8, positions)
+    return _encode_positions(flat, tuple(tensor.shape), block_size, Scheme.SPARSE8, topk.largest(flat, k))
 
 
 def _encode_topk(flat: torch.Tensor, shape: tuple[int, ...], block: int, bits: int, k: int) -> bytearray:

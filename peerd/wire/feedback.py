@@ -10,6 +10,11 @@ span's average (reducer.py). Both go through :func:`encode_with_feedback`; they 
 results go. A sender keeps ``dropped`` apart and commits it to its residual only once the reducer reports the
 chunk included (a lost chunk must not leave a residual for values nobody received); a reducer commits at once
 and decodes in place, so it applies exactly the values every member decodes.
+
+A reducer's average of top-k rows that members check (SPARSE8) carries no residual of the reducer's: it leaves
+out the average's smallest elements, and each member, the reducer included, puts back into its own residual what
+it sent of the elements the average left out (:func:`readd_left_out`). For the mean that carries exactly what was
+left out into the next round, spread over the members who sent it, and nothing of it rests on the reducer's word.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from peerd.config import CodecConfig
 from peerd.wire.codec import decode, encode
 
-__all__ = ["encode_with_feedback"]
+__all__ = ["encode_with_feedback", "readd_left_out"]
 
 
 def encode_with_feedback(
@@ -60,3 +65,9 @@ def encode_with_feedback(
         dropped.copy_(coded)  # before decoding: `decoded` may alias `values`
     dropped.sub_(decode(payload, peer_id=peer_id, expected_shape=tuple(values.shape), out=decoded))  # out=None: fresh
     return payload, norm
+
+
+def readd_left_out(residual: torch.Tensor, sent: torch.Tensor, average: torch.Tensor) -> None:
+    """Adds to ``residual`` what this peer ``sent`` (as decoded) of the elements the decoded ``average`` of its
+    chunk left out (those that decode to 0, rounded away or not carried)."""
+    residual.add_(sent.masked_fill(average != 0, 0.0))

@@ -1,7 +1,8 @@
 """The body of a top-k payload (schemes TOPK8, TOPK4, TOPK2 of ``protocols/codec.v1.md``, version 3): the ``k``
 largest-magnitude elements of a tensor, their positions Elias-Fano coded (:mod:`peerd.wire.sparse`) and their
 values blockwise coded at 8, 4 or 2 bits (:mod:`peerd.wire.blockwise`); every other element decodes as 0.
-SPARSE8 (version 4) is the TOPK8 body carrying every nonzero element.
+SPARSE8 (version 4) is the TOPK8 body carrying an average's ``k`` largest elements exactly as :func:`largest` picks
+them (every nonzero one if there are no more): whatever it leaves out is no larger than what it carries.
 
 Layout: ``k`` (u64), then the positions, then ``ceil(k / block)`` bf16 scales, then the packed value codes.
 What is not sent is not lost: error feedback (:mod:`peerd.wire.feedback`) carries it into the next round, so an
@@ -17,7 +18,7 @@ import torch
 
 from peerd.wire import blockwise, sparse
 
-__all__ = ["body_size", "choose_k", "decode_body", "encode_body", "read_k", "select", "support"]
+__all__ = ["body_size", "choose_k", "decode_body", "encode_body", "largest", "read_k", "select", "support"]
 
 _K = struct.Struct("<Q")
 _SAMPLE = 1 << 16  # elements sampled to estimate the k-th largest magnitude
@@ -56,6 +57,18 @@ def select(flat: torch.Tensor, k: int) -> torch.Tensor:
     if candidates.numel() > k:
         candidates = candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices].sort().values
     return candidates
+
+
+def largest(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted positions of the ``k`` largest |elements| of ``flat``, or of every nonzero one if there are no more
+    than ``k``: never fewer, so no element left out is larger than one taken (``select`` may take fewer)."""
+    if int(torch.count_nonzero(flat)) <= k:  # NaN counts as nonzero, so the value coder sees and refuses it
+        return torch.nonzero(flat).view(-1)
+    positions = select(flat, k)
+    if positions.numel() < k:  # the sampled bar came out too high: rank every element
+        magnitudes = flat.abs() if flat.dtype == torch.float32 else flat.float().abs()
+        positions = torch.topk(magnitudes, k, sorted=False).indices.sort().values
+    return positions
 
 
 def encode_body(flat: torch.Tensor, positions: torch.Tensor, block: int, bits: int, body: memoryview) -> bool:

@@ -1,6 +1,6 @@
 """Top-k payloads (schemes TOPK8/4/2): the largest elements travel, the rest decode as zero, error feedback
-carries them, and every malformed payload is refused naming the peer. SPARSE8, the same layout carrying every
-nonzero element (a reducer's checkable average of top-k rows)."""
+carries them, and every malformed payload is refused naming the peer. SPARSE8, the same layout carrying an
+average's largest elements, or every nonzero one (a reducer's checkable average of top-k rows)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from peerd.averaging.verify.payloads import code_average, sent_count
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import CodecError
 from peerd.wire import sparse
 from peerd.wire.blockwise import QMAX
-from peerd.wire.codec import HEADER, Scheme, decode, encode, encode_nonzero
+from peerd.wire.codec import HEADER, Scheme, decode, encode, encode_largest
+from peerd.wire.feedback import encode_with_feedback, readd_left_out
 from peerd.wire.topk import choose_k
 
 PEER = "12D3KooWTopKPeer"
@@ -58,8 +60,8 @@ def test_sparse8_carries_every_nonzero_element_within_half_a_step(nonzero: int, 
     x = torch.zeros(numel, dtype=dtype)
     where = torch.randperm(numel, generator=generator)[:nonzero]
     x[where] = torch.randn(nonzero, generator=generator).to(dtype) * 10
-    payload = encode_nonzero(x.view(100, 200), 128)
-    assert payload[4] == 4 and payload[5] == Scheme.SPARSE8
+    payload = encode_largest(x.view(100, 200), 128, 5000)  # k at least the nonzero elements: all of them
+    assert payload[4] == 4 and payload[5] == Scheme.SPARSE8 and sent_count(payload) == nonzero
     y = decode(bytes(payload), peer_id=PEER, expected_shape=(100, 200)).view(-1)
     assert y.dtype == dtype and bool((y[x == 0] == 0).all())
     sent = where.sort().values
@@ -69,12 +71,27 @@ def test_sparse8_carries_every_nonzero_element_within_half_a_step(nonzero: int, 
     assert bool(((values - decoded).abs() <= absmax / 127 * 0.5 * (1 + 2.0**-7) + 2.0**-126 + 1e-2 * (
         dtype == torch.bfloat16) * values.abs()).all())
     with pytest.raises(ValueError, match="NaN or Inf"):
-        encode_nonzero(torch.tensor([0.0, float("nan"), 1.0]), 128)
+        encode_largest(torch.tensor([0.0, float("nan"), 1.0]), 128, 3)
     # version 3 decoders know no SPARSE8; a version 3 payload claiming it is refused
     old = bytearray(payload)
     old[4] = 3
     with pytest.raises(CodecError, match="SPARSE8 in a version 3 payload"):
         decode(bytes(old), peer_id=PEER, expected_shape=(100, 200))
+
+
+@pytest.mark.parametrize("numel", [50_000, 1 << 19])  # ranked exactly, and from a sampled bar
+def test_sparse8_with_fewer_slots_than_nonzero_elements_carries_exactly_k_of_the_largest(numel: int) -> None:
+    """Whatever SPARSE8 leaves out is no larger than what it carries, and it carries exactly ``k`` (members check
+    both: verify/payloads.error_bound), also where the sampled bar of ``select`` would have let fewer through."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[torch.arange(0, numel, 7)] = 0.0
+    k = numel // 50
+    payload = encode_largest(x, 128, k)
+    assert sent_count(payload) == k
+    y = decode(bytes(payload), peer_id=PEER, expected_shape=(numel,))
+    carried = y != 0
+    assert int(carried.sum()) == k  # no value of this data rounds to 0
+    assert float(x[~carried].abs().max()) <= float(x[carried].abs().min())
 
 
 def assert_best_ternary(values: torch.Tensor, decoded: torch.Tensor, block: int = 128) -> None:
@@ -204,3 +221,39 @@ def test_sampled_selection_takes_the_largest(density: float) -> None:
     assert bool((chosen[1:] > chosen[:-1]).all())
     truth = torch.topk(x.abs(), chosen.numel()).indices.sort().values
     assert torch.equal(chosen, truth)  # however many it takes, they are the largest
+
+
+def test_with_sparse8_averages_what_a_round_leaves_out_is_carried_by_the_members() -> None:
+    """Members send top-k rows with error feedback, the reducer (member 0) adds its own row exactly, and the
+    average returns as SPARSE8 with no residual of the reducer's: each member puts back what the average left
+    out of its own row. Over many rounds nothing is lost: the averages applied plus the members' mean residual
+    equal the mean of everything the members had to send, up to the average's rounding at the elements it
+    carried (which nobody can recover: no member knows the exact average)."""
+    numel, members, rounds = 8192, 3, 40
+    config = CodecConfig(scheme="topk", density=0.02, min_compress_numel=0)
+    generator = torch.Generator().manual_seed(5)
+    residuals = [torch.zeros(numel) for _ in range(members)]
+    wanted, applied, rounding = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+    for _ in range(rounds):
+        values = [torch.randn(numel, generator=generator) * (1 + torch.arange(numel) % 7) for _ in range(members)]
+        wanted += sum(values) / members
+        rows = []
+        for j, value in enumerate(values):
+            if j == 0:  # the reducer's own row: exact, never sent
+                rows.append(value + residuals[0])
+                residuals[0].zero_()
+            else:
+                sent = torch.empty(numel)
+                encode_with_feedback(value, config, PEER, carried=residuals[j], dropped=residuals[j], decoded=sent)
+                rows.append(sent)
+        exact = sum(rows) / members
+        average = exact.clone()
+        payload = code_average(average, None, config, True, PEER, max(choose_k(numel, 0.02), 1))
+        assert payload[5] == Scheme.SPARSE8
+        for j in range(members):
+            readd_left_out(residuals[j], rows[j], average)
+        applied += average
+        rounding += torch.where(average != 0, exact - average, 0.0)
+    carried = sum(residuals) / members
+    assert torch.allclose(applied + rounding + carried, wanted, atol=1e-3)
+    assert float(rounding.abs().max()) < 0.05 * float(wanted.abs().max())

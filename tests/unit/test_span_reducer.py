@@ -16,7 +16,7 @@ from peerd.averaging.group import Group
 from peerd.averaging.layout import chunk_bounds, split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION, check_request
-from peerd.averaging.verify.payloads import clamp_residual
+from peerd.averaging.verify.payloads import clamp_residual, sent_count
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
@@ -77,27 +77,31 @@ def test_chunk_average_and_both_residuals_match_the_eager_formula() -> None:
     asyncio.run(body())
 
 
-def test_with_top_k_the_average_returns_as_sparse8_over_the_union_of_the_members_supports() -> None:
-    """The reducer's own row is top-k coded as a member's (the rest stays in its residual), so the average is
-    zero outside the two rows' supports and its SPARSE8 payload carries those elements only, at 8 bits."""
+def test_with_top_k_the_average_returns_as_sparse8_its_largest_elements_and_what_it_leaves_out_stays_ours() -> None:
+    """The average of a top-k row and the reducer's own row (exact: it is never sent) returns as SPARSE8, its k
+    largest elements at 8 bits; what it leaves out of this peer's row goes back to this peer's residual (each
+    member does the same with its own), and the average carries no residual of the reducer's."""
     async def body() -> None:
         topk = CodecConfig(scheme="topk", density=0.02, min_compress_numel=0)
         config = AveragingConfig(chunk_numel=4096, codec=topk, aggregation="mean")
         own, theirs = torch.randn(4096), torch.randn(4096)
-        own_residual = torch.zeros(4096)
+        own_residual = torch.randn(4096)
         payload = bytes(codec.encode(theirs, topk))
         out = torch.empty(4096)
         reducer = reducers.make_reducer(GROUP, own, 2.0, config, topk, out, residual=torch.zeros(4096),
-                                        own_residual=own_residual)
+                                        own_residual=own_residual.clone())
         reducer.add(payload, OTHER, 3.0, 0, torch.empty(4096))
         got = bytes(reducer._average_chunk(0))
-        assert got[5] == codec.Scheme.SPARSE8
-        own_sent = codec.decode(codec.encode(own, topk), peer_id=ME, expected_shape=(4096,))
-        expected = (2.0 * own_sent + 3.0 * codec.decode(payload, peer_id=OTHER, expected_shape=(4096,))) / 5.0
-        support = (own_sent != 0) | (codec.decode(payload, peer_id=OTHER, expected_shape=(4096,)) != 0)
-        assert bool((out[~support] == 0).all()) and int((out != 0).sum()) <= 2 * math.ceil(0.02 * 4096)
-        assert torch.allclose(out, expected, atol=float(expected.abs().max()) / 127)
-        assert torch.allclose(own_residual, own - own_sent)  # what its own row did not send waits for the next
+        k = math.ceil(0.02 * 4096)
+        assert got[5] == codec.Scheme.SPARSE8 and sent_count(got) == k
+        row = own + own_residual
+        expected = (2.0 * row + 3.0 * codec.decode(payload, peer_id=OTHER, expected_shape=(4096,))) / 5.0
+        carried = out != 0
+        assert int(carried.sum()) == k and float(expected[~carried].abs().max()) <= float(
+            expected[carried].abs().min())
+        assert torch.allclose(out[carried], expected[carried], atol=float(expected.abs().max()) / 127)
+        assert reducer.own_residual is not None
+        assert torch.equal(reducer.own_residual, torch.where(carried, 0.0, row))  # what was left out waits
         assert bool((reducer.residual == 0).all())  # SPARSE8 carries no residual of the average
         reducer.close()
 

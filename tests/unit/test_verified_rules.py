@@ -15,7 +15,7 @@ from peerd.averaging.matchmaking import group_id
 from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
 from peerd.averaging.verify.disputes import Judgment, judge_chunk
 from peerd.averaging.verify.keys import KeyBook
-from peerd.averaging.verify.payloads import bounded, checks_averages, view
+from peerd.averaging.verify.payloads import bounded, checks_averages, sent_count, view
 from peerd.averaging.verify.proofs import bad_reduction, check_proof, false_samples, read_statement
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import parse_statement, sign_statement
@@ -39,8 +39,9 @@ def rows_of(n: int, seed: int = 0, scales: list[float] | None = None) -> torch.T
 
 
 def check(span: Span, samples: dict[int, MemberSamples] | None = None) -> None:
+    """Member 1's checks (its own top-k row's count is what a SPARSE8 average must carry)."""
     check_chunk(span.statement(), 0, samples or span.all_samples(), span.out, view(span.out_payload),
-                span.randomness, span.config)
+                span.randomness, span.config, sent_count(span.payloads[1]))
 
 
 def judge(span: Span, samples: dict[int, MemberSamples] | None = None) -> Judgment:
@@ -280,10 +281,10 @@ def sparse_rows(n: int, density: float, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("rule", ["mean", *ROBUST])
 def test_narrow_codes_return_a_checkable_average_an_honest_one_passes_and_a_lie_is_convicted(
         scheme: str, coded: codec.Scheme, rule: str) -> None:
-    """By default a reducer of top-k rows returns every nonzero element of its average at 8 bits (SPARSE8), one
+    """By default a reducer of top-k rows returns the k largest elements of its average at 8 bits (SPARSE8), one
     of 2-bit rows 8-bit blocks, without its residual: members check it like an 8-bit average. An honest one
-    passes whatever the reducer carried and is never convicted; -1001x the average, or an element of the
-    members' union support left out, fails and the dispute's proof convicts the reducer."""
+    passes whatever the reducer carried and is never convicted; -1001x the average fails and the dispute's proof
+    convicts the reducer."""
     narrow = CodecConfig(scheme=scheme, min_compress_numel=0)  # type: ignore[arg-type]
     assert checks_averages(narrow, check_narrow_codes=True)
     for seed in range(5):
@@ -291,11 +292,12 @@ def test_narrow_codes_return_a_checkable_average_an_honest_one_passes_and_a_lie_
         span = Span(rows, rule, codec=narrow, residual=3 * rows[0], seed=bytes([seed]) * 32)
         payload = view(span.out_payload)
         assert payload.scheme is coded and bounded(payload)
-        if scheme == "topk":  # within the union of the members' supports (trimmed_mean drops some), <= n x k
+        if scheme == "topk":  # within the union of the members' supports, k of them (trimmed_mean leaves fewer)
             assert payload.support is not None
             union = torch.nonzero(span.decoded.abs().sum(0)).view(-1)
             assert bool(torch.isin(payload.support, union).all())
-            assert payload.support.numel() <= 4 * choose_k(NUMEL, 0.02)
+            assert payload.support.numel() <= choose_k(NUMEL, narrow.density)
+            assert payload.support.numel() == choose_k(NUMEL, narrow.density) or rule == "trimmed_mean"
         check(span)
         assert judge(span) == Judgment()
         assert proven(span) is None
@@ -305,11 +307,12 @@ def test_narrow_codes_return_a_checkable_average_an_honest_one_passes_and_a_lie_
     assert judge(span).reducer is not None and proven(span) is not None
 
 
-def test_a_sparse_average_leaving_out_part_of_the_union_support_is_caught() -> None:
-    """A reducer that drops sent elements of the average (codes fewer than every nonzero one) is caught at the
-    samples that fall on them; the dispute, which recomputes the whole chunk, convicts it."""
+def test_a_sparse_average_leaving_out_large_elements_is_caught() -> None:
+    """A reducer that leaves sampled elements out of the average (so that others, smaller, take their slots) is
+    caught at the samples larger than the smallest it carries; the dispute, which recomputes the whole chunk,
+    convicts it."""
     rows = sparse_rows(4, 0.3)
-    span = Span(rows, "mean", codec=CodecConfig(scheme="topk", min_compress_numel=0))
+    span = Span(rows, "mean", codec=CodecConfig(scheme="topk", density=0.3, min_compress_numel=0))
     hit = span.randomness.offsets(0, 0, NUMEL)
     dropped = torch.zeros(NUMEL)
     dropped[hit] = span.out[hit]  # the sampled elements of the support, as a lie would need to hide from
@@ -318,6 +321,31 @@ def test_a_sparse_average_leaving_out_part_of_the_union_support_is_caught() -> N
     with pytest.raises(Inconsistent, match="the rule gives"):
         check(span)
     assert proven(span) is not None
+
+
+@pytest.mark.parametrize("rows_nonzero", [False, True])
+def test_a_sparse_average_carrying_fewer_than_a_members_k_must_carry_every_nonzero_element(
+        rows_nonzero: bool) -> None:
+    """An average that carries fewer elements than a member's top-k row did claims to carry every nonzero one:
+    an honest average of rows with few nonzero elements does and passes; a reducer that carries only the few
+    largest of a full average (so that every element it leaves out passes as smaller) is caught and convicted."""
+    config = CodecConfig(scheme="topk", density=0.05, value_bits=8, min_compress_numel=0)
+    rows = sparse_rows(4, 0.05)
+    if not rows_nonzero:
+        rows[:, 100:] = 0.0  # fewer nonzero elements than k: all of them travel
+    span = Span(rows, "mean", codec=config)
+    check(span)
+    assert judge(span) == Judgment() and proven(span) is None
+    if not rows_nonzero:
+        return
+    k = sent_count(span.payloads[1])
+    exact = torch.tensor(span.coefficients or []) @ span.decoded
+    span.out_payload = bytes(codec.encode_largest(exact, config.block_size, k // 10))  # its 10% largest
+    span.out = codec.decode(span.out_payload, peer_id="test", expected_shape=(NUMEL,))
+    span.out_signature = span.sign_output(span.out_payload)
+    with pytest.raises(Inconsistent, match="the rule gives"):
+        check(span)
+    assert judge(span).reducer is not None and proven(span) is not None
 
 
 def test_a_small_element_rounded_up_by_a_large_neighbours_step_is_no_false_alarm() -> None:

@@ -12,7 +12,7 @@ import torch
 from peerd.averaging.aggregation import combine
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import code_average, envelope, view
+from peerd.averaging.verify.payloads import code_average, envelope, sent_count, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
 from peerd.averaging.verify.statement import (
@@ -75,7 +75,8 @@ class Span:
         if lie is not None:
             out += lie
         residual = self.residual.clone() if self.residual is not None else None
-        self.out_payload = bytes(code_average(out, residual, self.codec, self.check_narrow_codes, "reducer"))
+        self.out_payload = bytes(code_average(out, residual, self.codec, self.check_narrow_codes, "reducer",
+                                              max(sent_count(p) for p in self.payloads)))
         self.out = out
         self.out_signature = self.sign_output(self.out_payload)
 

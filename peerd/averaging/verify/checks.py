@@ -130,10 +130,11 @@ def trimmed_at(values: torch.Tensor) -> torch.Tensor:
 
 
 def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSamples], out: torch.Tensor,
-                payload: PayloadView, randomness: RoundRandomness, config: AveragingConfig) -> None:
+                payload: PayloadView, randomness: RoundRandomness, config: AveragingConfig, required: int = 0) -> None:
     """Raises Inconsistent if chunk ``index`` of the span (``out``: the average this member decoded, ``payload``:
     its codec payload's view) does not agree with the statement and the included members' ``samples`` (by rank,
-    each holding this span)."""
+    each holding this span). ``required``: the elements this member's own included top-k row carried, which a
+    SPARSE8 average must carry too unless it carries every nonzero element (payloads.error_bound)."""
     chunk = statement.chunks[index]
     try:
         coefficients = coefficients_of(statement, chunk, config)
@@ -149,7 +150,7 @@ def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSampl
         expected = coefficients @ values
         magnitude = magnitude + coefficients.abs() @ values.abs()
     got = out[offsets].double()
-    allowed = error_bound(payload, out, offsets) + ACCUMULATION * magnitude + TINY
+    allowed = error_bound(payload, out, offsets, required) + ACCUMULATION * magnitude + TINY
     if bool((got - expected).abs().gt(allowed).any()):
         worst = int(((got - expected).abs() - allowed).argmax())
         raise Inconsistent(index, f"at element {int(offsets[worst])} the average is {float(got[worst]):.6g}, "

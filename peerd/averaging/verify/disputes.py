@@ -29,7 +29,7 @@ from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
 from peerd.averaging.verify.keys import KeyBook
-from peerd.averaging.verify.payloads import TINY, bounded, envelope, error_bound, view
+from peerd.averaging.verify.payloads import TINY, bounded, envelope, error_bound, sent_count, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import OUTPUT, SEAL, Chunk, Statement, output_parts, seal_parts
@@ -87,7 +87,8 @@ def judge_chunk(statement: Statement, index: int, group: Group, rows: dict[int, 
             if lie is not None:
                 verdict.members[group.members[rank]] = lie
     if out is not None and not chunk.void:
-        verdict.reducer = _wrong_average(statement, index, decoded, out, config)
+        required = max(sent_count(rows[rank]) for rank in chunk.included)
+        verdict.reducer = _wrong_average(statement, index, decoded, out, config, required)
     return verdict
 
 
@@ -128,7 +129,9 @@ def _misstated(member: MemberSamples, statement: Statement, index: int, row: tor
 
 
 def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Tensor], out: bytes,
-                   config: AveragingConfig) -> str | None:
+                   config: AveragingConfig, required: int) -> str | None:
+    """Why the reducer's average ``out`` of chunk ``index`` is not its rule applied to the ``decoded`` rows, if it
+    is not; ``required``: the most elements an included top-k row carries (payloads.error_bound)."""
     chunk = statement.chunks[index]
     raw = torch.stack([decoded[r] for r in chunk.included])
     rows = raw.double()
@@ -151,7 +154,7 @@ def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Te
         expected = coefficients @ rows
         magnitude += coefficients.abs() @ rows.abs()
     everywhere = torch.arange(rows.shape[1])
-    allowed = error_bound(view(out), average, everywhere) + 1e-5 * magnitude + TINY
+    allowed = error_bound(view(out), average, everywhere, required) + 1e-5 * magnitude + TINY
     excess = (average.double() - expected).abs() - allowed
     if bool((excess > 0).any()):
         worst = int(excess.argmax())

@@ -11,7 +11,7 @@
   stays within its coefficients' combination of the rows' envelopes: a lie concentrated on a few elements the
   sampled coordinates miss still shows there if it is large.
 
-Only averages coded exactly, in fp16, in 8-bit blocks or as SPARSE8 (every nonzero element at 8 bits) have a
+Only averages coded exactly, in fp16, in 8-bit blocks or as SPARSE8 (the largest elements at 8 bits) have a
 bound (:func:`bounded`). The narrower schemes (4 and 2 bits, top-k) work only with error feedback carrying most
 of what a round drops into the next, so an honest reducer's average coded that way may be far from its exact
 one, by a residual nobody else holds: no member can tell it from a lie. So a reducer whose members send narrow
@@ -31,8 +31,8 @@ from peerd.wire import codec, topk
 from peerd.wire.codec import HEADER, MIN_SCALE, TOPK_BITS, Scheme
 from peerd.wire.feedback import encode_with_feedback
 
-__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "bounded", "checks_averages", "clamp_residual",
-           "code_average", "envelope", "error_bound", "view"]
+__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "average_count", "bounded", "checks_averages", "clamp_residual",
+           "code_average", "envelope", "error_bound", "scheme_of", "sent_count", "view"]
 
 COARSE_BLOCKS = 32
 ERROR_SLACK = 1.01  # |average - exact| <= 1.002 scales with the clamped residual; bf16 scales round up
@@ -66,6 +66,18 @@ def view(payload: bytes | bytearray) -> PayloadView:
     return PayloadView(Scheme.INT8_BLOCKWISE, numel, block, raw.float())
 
 
+def scheme_of(payload: bytes | bytearray) -> Scheme:
+    """The scheme of a payload that already decoded without error."""
+    return Scheme(HEADER.unpack_from(payload)[2])
+
+
+def sent_count(payload: bytes | bytearray) -> int:
+    """The elements a payload that already decoded without error carries by position (its ``k``: schemes with
+    the top-k layout), or 0 for the others."""
+    _, _, code, _, ndim, _, _, _ = HEADER.unpack_from(payload)
+    return (topk.read_k(memoryview(payload)[HEADER.size + 8 * ndim :]) or 0) if code in TOPK_BITS else 0
+
+
 def bounded(payload: PayloadView) -> bool:
     """Whether an honest reducer's average coded as ``payload`` is within a known bound of its exact one."""
     return payload.scheme in (Scheme.RAW, Scheme.FP16, Scheme.INT8_BLOCKWISE, Scheme.SPARSE8)
@@ -79,8 +91,8 @@ def checks_averages(config: CodecConfig, check_narrow_codes: bool) -> bool:
 
 
 def average_code(config: CodecConfig, check_narrow_codes: bool) -> tuple[CodecConfig, bool]:
-    """How a reducer whose members code with ``config`` codes the averages it returns: ``(config, nonzero)``.
-    ``nonzero``: as SPARSE8, every nonzero element of an average of top-k rows at 8 bits (the returned config
+    """How a reducer whose members code with ``config`` codes the averages it returns: ``(config, largest)``.
+    ``largest``: as SPARSE8, the largest elements of an average of top-k rows at 8 bits (the returned config
     then serves chunks below its ``min_compress_numel``). Under ``check_narrow_codes``, averages of 4- and
     2-bit rows return in 8-bit blocks and those of top-k rows as SPARSE8, without the reducer's residual."""
     if config.lossless or config.scheme == "blockwise8" or not check_narrow_codes:
@@ -88,19 +100,28 @@ def average_code(config: CodecConfig, check_narrow_codes: bool) -> tuple[CodecCo
     return config.model_copy(update={"scheme": "blockwise8"}), config.scheme == "topk"
 
 
+def average_count(config: CodecConfig, numel: int, rows: int) -> int:
+    """How many elements a reducer coding with ``config`` carries of a SPARSE8 average of ``numel`` elements
+    whose top-k rows carry at most ``rows`` each: at least what its own rows and every member's carry, so that
+    every member's check (:func:`error_bound`) holds."""
+    return max(rows, topk.choose_k(numel, config.density))
+
+
 def code_average(average: torch.Tensor, residual: torch.Tensor | None, config: CodecConfig, check_narrow_codes: bool,
-                 peer_id: str) -> bytearray:
+                 peer_id: str, rows: int = 0) -> bytearray:
     """A reducer's payload of one chunk's ``average`` (members coding with ``config``), which is replaced by
     what every member decodes of it, so that the reducer applies bit-identical values. ``residual``: what
     coding dropped from this peer's last average of these elements, added to this one where the code needs it
     (kept within half a step of it where members check the average: :func:`clamp_residual`; dropped for
-    SPARSE8), and replaced by what this coding drops."""
-    average_config, nonzero = average_code(config, check_narrow_codes)
+    SPARSE8, whose members carry what it leaves out instead). ``rows``: the most elements a member's top-k row of
+    the chunk carries (:func:`average_count`)."""
+    average_config, largest = average_code(config, check_narrow_codes)
     coded = not average_config.lossless and average.numel() >= max(average_config.min_compress_numel, 1)
     if residual is not None and checks_averages(config, check_narrow_codes):
-        clamp_residual(average, residual, average_config.block_size, coded and not nonzero)
-    if coded and nonzero:  # every nonzero element, no residual: within a step of the exact average
-        payload = codec.encode_nonzero(average, average_config.block_size)
+        clamp_residual(average, residual, average_config.block_size, coded and not largest)
+    if coded and largest:  # the largest elements, no residual: each within a step of the exact average
+        payload = codec.encode_largest(average, average_config.block_size,
+                                       average_count(config, average.numel(), rows))
         codec.decode(payload, peer_id=peer_id, expected_shape=tuple(average.shape), out=average)
         return payload
     payload, _ = encode_with_feedback(average, average_config, peer_id, carried=residual, dropped=residual,
@@ -108,19 +129,26 @@ def code_average(average: torch.Tensor, residual: torch.Tensor | None, config: C
     return payload
 
 
-def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor, required: int = 0) -> torch.Tensor:
     """For the elements ``index`` of a reducer's coded average (``decoded``): how far an honest reducer's
-    coded value may be from its exact average, float64."""
+    coded value may be from its exact average, float64. ``required``: the most elements a member's top-k row of
+    the chunk carries (SPARSE8 carries at least as many, or every nonzero element)."""
     if payload.scales is not None:
         return payload.scales[index // payload.block].double() * ERROR_SLACK + TINY
     if payload.support is not None and payload.support_scales is not None:
         # a sent element: the step of its block of sent values, as for 8-bit blocks (rounding takes half of it;
-        # SPARSE8 carries no residual); any other element is exactly 0
+        # SPARSE8 carries no residual). Any other element: 0 if fewer than `required` were sent (an honest
+        # reducer then sent every nonzero one), else at most the smallest sent one, whose exact value is within
+        # a step of what it decodes to.
         bound = torch.zeros(index.numel(), dtype=torch.float64)
-        if payload.support.numel():
-            at = torch.searchsorted(payload.support, index).clamp_(max=payload.support.numel() - 1)
+        count = payload.support.numel()
+        if count:
+            steps = payload.support_scales[torch.arange(count) // payload.block].double() * ERROR_SLACK
+            at = torch.searchsorted(payload.support, index).clamp_(max=count - 1)
             sent = payload.support[at] == index
-            bound[sent] = payload.support_scales[at[sent] // payload.block].double() * ERROR_SLACK
+            if count >= required:
+                bound.fill_(float((decoded[payload.support].double().abs() + steps).min()))
+            bound[sent] = steps[at[sent]]
         return bound + TINY
     if payload.scheme is Scheme.FP16:
         return decoded[index].double().abs() * FP16_RELATIVE + FP16_ABSOLUTE

@@ -250,7 +250,10 @@ class RoundVerification:
             a, b = self.layout[span][index]
             out = self.result[start + a : start + b]
             try:
-                check_chunk(statement, index, by_rank, out, payload, randomness, self.config)
+                own = self.own_rows.get(span)
+                required = own.counts[index] if own is not None and self.rank in chunk.included and \
+                    index < len(own.counts) else 0
+                check_chunk(statement, index, by_rank, out, payload, randomness, self.config, required)
             except Inconsistent as e:
                 return Verdict(False, str(e), e.chunk)
             if audit is None and not agreeing and look_alike(statement, index, by_rank):

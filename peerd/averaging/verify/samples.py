@@ -8,7 +8,7 @@ to make an honest reducer's average look wrong is caught when that reducer revea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class OwnRow:
     row: torch.Tensor
     chunks: list[tuple[int, int]]
     envelopes: list[torch.Tensor]
+    counts: list[int] = field(default_factory=list)  # elements each chunk's payload carried by position (top-k)
 
 
 @dataclass(frozen=True)
