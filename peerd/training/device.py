@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from peerd.errors import ConfigError
@@ -54,6 +55,13 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def host_buffer(numel: int, device: torch.device) -> torch.Tensor:
     """A reusable float32 CPU buffer for wire payloads; pinned when copies go to or from a CUDA device."""
     return torch.empty(numel, pin_memory=device.type == "cuda")
+
+
+def zeros_on_touch(numel: int) -> torch.Tensor:
+    """A float32 CPU tensor of zeros whose pages take memory only once written: numpy's zeros come from calloc,
+    which maps large blocks from the kernel's zero pages, where torch.zeros writes every byte. For buffers of
+    which a round touches a part (a reducer's residual is its span's, 1/n of the model) or none at all."""
+    return torch.from_numpy(np.zeros(numel, dtype=np.float32))
 
 
 def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ import torch
 from peerd.config import TrainingConfig
 from peerd.errors import ConfigError
 from peerd.tasks import Batch, Task, to_device
-from peerd.training.device import autocast, flat_views, host_buffer, resolve_device
+from peerd.training.device import autocast, flat_views, host_buffer, resolve_device, zeros_on_touch
 from peerd.wire.codec import all_finite
 
 # Slots the optimizers peerd builds keep per parameter; state averaging averages the float ones.
@@ -82,7 +82,9 @@ class LocalModel:
         init_slots(self.optimizer)
         self.numel = sum(p.numel() for p in self.params)
         self.residual = torch.zeros(self.numel) if error_feedback else None
-        self.average_residual = torch.zeros(self.numel) if error_feedback else None
+        # what this peer's reductions dropped of their averages: only the span it reduces, and nothing under
+        # top-k (whose members carry what the average leaves out), so its pages stay unmapped until written
+        self.average_residual = zeros_on_touch(self.numel) if error_feedback else None
         # Reused every step: a fresh model-sized tensor per step would pay a page fault per 4 KiB each time.
         self._gradient = host_buffer(self.numel, self.device)
         self.averaged = host_buffer(self.numel, self.device)  # the all-reduce's `out`
@@ -169,9 +171,10 @@ class LocalModel:
 
     def forget_residuals(self) -> None:
         """After loading another peer's state, what our codec dropped from earlier rounds no longer applies."""
-        for carried in (self.residual, self.average_residual):
-            if carried is not None:
-                carried.zero_()
+        if self.residual is not None:
+            self.residual.zero_()
+        if self.average_residual is not None:  # fresh zero pages: zero_() would map every one of them
+            self.average_residual = zeros_on_touch(self.numel)
 
     # --- state ------------------------------------------------------------------------------------------------
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from peerd.averaging.verify.payloads import clamp_residual
 from peerd.config import TaskConfig, TrainingConfig
 from peerd.config.diloco import DilocoConfig
 from peerd.errors import ConfigError
 from peerd.tasks import build_task
-from peerd.training.device import resolve_device
+from peerd.training.device import resolve_device, zeros_on_touch
 from peerd.training.diloco.outer import MOMENTUM, SHARED, OuterState
 from peerd.training.local import LocalModel, init_slots
 
@@ -164,6 +167,27 @@ def test_devices_that_are_not_there_are_refused_naming_the_field() -> None:
     if not torch.backends.mps.is_available():
         with pytest.raises(ConfigError, match="no MPS"):
             resolve_device("mps")
+
+
+def resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+def test_a_reducers_residual_takes_memory_only_for_the_span_written() -> None:
+    before = resident_mib()
+    residual = zeros_on_touch(64 * 2**20)  # 256 MiB of zeros
+    assert resident_mib() - before < 32
+    # a top-k reducer's residual is only read (its average carries none) and stays unmapped
+    clamp_residual(torch.ones(2**20), residual[: 2**20], 1024, int8=False)
+    assert resident_mib() - before < 32
+    residual[: 16 * 2**20].add_(1.0)  # an 8-bit reducer's span of 4
+    assert resident_mib() - before >= 60
+    assert float(residual[16 * 2**20 :].abs().sum()) == 0.0
+    local = local_model()
+    assert local.average_residual is not None
+    local.average_residual.add_(1.0)
+    local.forget_residuals()
+    assert float(local.average_residual.abs().sum()) == 0.0
 
 
 def test_bf16_autocast_trains_on_cpu_and_keeps_fp32_weights() -> None:

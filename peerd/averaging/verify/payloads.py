@@ -191,7 +191,8 @@ def clamp_residual(average: torch.Tensor, residual: torch.Tensor, block_size: in
     """Keeps a reducer's carried residual within half a codec step of ``average`` in every block (``int8``: the
     chunk is coded blockwise), or drops it for chunks coded otherwise."""
     if not int8:
-        residual.zero_()
+        if bool(residual.any()):  # reading maps no pages of lazily zeroed memory; writing would
+            residual.zero_()
         return
     numel = average.numel()
     full = numel // block_size
