@@ -5,7 +5,7 @@ the model, its optimizer (eager slots), the error-feedback residuals and the sta
 (``peerd.training.local.LocalModel``), and in diloco mode the outer state (shared parameters, anchor, outer
 momentum, pseudo-gradient and average: ``peerd.training.diloco.outer.OuterState``). It then takes
 ``--steps`` micro-batches with their optimizer steps. Printed: resident memory (RSS) once torch and peerd are
-imported, after the task (and its model) was built, with the trainer's tensors, and after the steps, and the
+imported (and the modules torch loads with its first optimizer), after the task (and its model) was built, with the trainer's tensors, and after the steps, and the
 growth per trainable parameter from the first to the third and to the last (gradients and what the allocator
 keeps of the activations). The growth includes what the allocator keeps of
 the activations, not the rounds' transient payloads (a chunk at a time) or p2pd's and the DHT's processes.
@@ -32,12 +32,17 @@ def resident_mib() -> float:
 
 def measure(config_path: str, mode: str, steps: int) -> dict[str, float]:
     """In this process: RSS before and after a trainer's tensors for ``mode``."""
+    import torch
+
     from peerd.config import load_config
     from peerd.tasks import build_task
     from peerd.training.diloco.outer import OuterState
     from peerd.training.local import LocalModel
 
     config = load_config(Path(config_path), overrides={"training": {"mode": mode}}).training
+    # torch's first optimizer imports ~800 more modules (torch._dynamo and what it needs): a fixed cost per
+    # process, not per parameter
+    torch.optim.Adam(torch.nn.Linear(2, 2).parameters())
     imported = resident_mib()
     task = build_task(config.task, shard_index=0)
     built = resident_mib()
