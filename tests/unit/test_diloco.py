@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import numpy as np
 import pytest
 import torch
 
-from peerd.averaging.verify.payloads import clamp_residual
-from peerd.config import TaskConfig, TrainingConfig
+from peerd.averaging.verify.payloads import code_average
+from peerd.config import CodecConfig, TaskConfig, TrainingConfig
 from peerd.config.diloco import DilocoConfig
 from peerd.errors import ConfigError
 from peerd.tasks import build_task
@@ -169,19 +168,27 @@ def test_devices_that_are_not_there_are_refused_naming_the_field() -> None:
             resolve_device("mps")
 
 
-def resident_mib() -> float:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+def mapped_mib(tensor: torch.Tensor) -> float:
+    """MiB of ``tensor``'s pages present in memory, from /proc/self/pagemap (bit 63 of each page's entry)."""
+    page = 4096
+    first = tensor.data_ptr() // page
+    last = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page / 2**20
 
 
 def test_a_reducers_residual_takes_memory_only_for_the_span_written() -> None:
-    before = resident_mib()
     residual = zeros_on_touch(64 * 2**20)  # 256 MiB of zeros
-    assert resident_mib() - before < 32
-    # a top-k reducer's residual is only read (its average carries none) and stays unmapped
-    clamp_residual(torch.ones(2**20), residual[: 2**20], 1024, int8=False)
-    assert resident_mib() - before < 32
+    assert mapped_mib(residual) < 1
+    # a checked top-k reducer's average carries no residual of its own: its span of the residual stays unmapped
+    average = torch.randn(8 * 2**20)
+    payload = code_average(average, residual[: average.numel()], CodecConfig(scheme="topk"), True, "reducer")
+    assert len(payload) < average.numel() // 16 and int((average != 0).sum()) >= average.numel() // 100
+    assert mapped_mib(residual) < 1
     residual[: 16 * 2**20].add_(1.0)  # an 8-bit reducer's span of 4
-    assert resident_mib() - before >= 60
+    assert 64 <= mapped_mib(residual) < 66
     assert float(residual[16 * 2**20 :].abs().sum()) == 0.0
     local = local_model()
     assert local.average_residual is not None

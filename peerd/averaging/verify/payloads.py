@@ -117,13 +117,13 @@ def code_average(average: torch.Tensor, residual: torch.Tensor | None, config: C
     the chunk carries (:func:`average_count`)."""
     average_config, largest = average_code(config, check_narrow_codes)
     coded = not average_config.lossless and average.numel() >= max(average_config.min_compress_numel, 1)
-    if residual is not None and checks_averages(config, check_narrow_codes):
-        clamp_residual(average, residual, average_config.block_size, coded and not largest)
-    if coded and largest:  # the largest elements, no residual: each within a step of the exact average
+    if coded and largest:  # the largest elements, no residual (left untouched: it stays unmapped memory)
         payload = codec.encode_largest(average, average_config.block_size,
                                        average_count(config, average.numel(), rows))
         codec.decode(payload, peer_id=peer_id, expected_shape=tuple(average.shape), out=average)
         return payload
+    if residual is not None and checks_averages(config, check_narrow_codes):
+        clamp_residual(average, residual, average_config.block_size, coded)
     payload, _ = encode_with_feedback(average, average_config, peer_id, carried=residual, dropped=residual,
                                       decoded=average)
     return payload
@@ -189,10 +189,9 @@ def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int
 
 def clamp_residual(average: torch.Tensor, residual: torch.Tensor, block_size: int, int8: bool) -> None:
     """Keeps a reducer's carried residual within half a codec step of ``average`` in every block (``int8``: the
-    chunk is coded blockwise), or drops it for chunks coded otherwise."""
+    chunk is coded blockwise), or drops it for chunks sent as they are."""
     if not int8:
-        if bool(residual.any()):  # reading maps no pages of lazily zeroed memory; writing would
-            residual.zero_()
+        residual.zero_()
         return
     numel = average.numel()
     full = numel // block_size
