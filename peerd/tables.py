@@ -83,6 +83,8 @@ def format_status(data: dict[str, Any]) -> str:
     if membership:
         refused = membership.get("streams_refused") or {}
         detail = f", refused {sum(refused.values())} streams ({', '.join(f'{k}: {v}' for k, v in refused.items())})"
+        if membership.get("peers_disconnected"):
+            detail += f", disconnected {membership['peers_disconnected']} peers"
         lines.append(f"swarm:     {membership.get('mode')}" + (detail if refused else ""))
     if data.get("reachability"):
         lines += format_reachability(data["reachability"])

@@ -90,6 +90,9 @@ class StatusCollector(Collector):
         yield by_label(refused, mapping(m, "streams_refused"))
         yield counter("peerd_streams_accepted", "Inbound streams that passed the membership handshake.",
                       number(m, "streams_accepted"))
+        yield counter("peerd_peers_disconnected", "Peers that had not proven membership, disconnected for failing "
+                      "a handshake or opening streams past their pool (swarm.streams.disconnect_unproven).",
+                      number(m, "peers_disconnected"))
         yield gauge("peerd_streams_open", "Inbound peerd streams open now.", number(m, "streams_open"))
         yield gauge("peerd_streams_pending_bytes", "Bytes of inbound frames being received now (bounded by "
                     "swarm.streams).", number(m, "pending_bytes"))

@@ -10,6 +10,12 @@ recent ``PROVEN_PEERS``; libp2p authenticates peer ids, so nobody else can use i
 handshake in the small pool of unproven streams, under a shorter deadline, and takes a member's slot only
 once its proof checked out: strangers, however many identities they mint, hold at most that pool, never the
 slots members use.
+
+Every stream, refused or not, costs this daemon and its p2pd work before it can be refused, and a stranger's
+streams are free to reopen. So a peer that has not proven membership and fails a handshake (a wrong proof,
+or silence past its deadline), or keeps opening streams past its pool, is disconnected
+(``swarm.streams.disconnect_unproven``): that ends all its streams at once, and it pays a new connection to
+try again. Peer ids are authenticated by libp2p, so nobody can get another peer disconnected.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 REFUSED_PEERS = 1024  # the most recently refused peers status remembers (a stranger mints peer ids at will)
 PROVEN_PEERS = 4096
+MAX_DISCONNECTING = 64  # disconnect requests to p2pd in flight at once; a flood of new identities waits its turn
 
 
 class StreamGuard:
@@ -54,6 +61,9 @@ class StreamGuard:
         self.refused: Counter[str] = Counter()  # inbound streams refused, by reason
         self.refused_peers: OrderedDict[str, str] = OrderedDict()  # peer id -> its last refusal, newest last
         self.accepted = 0
+        self.disconnected = 0  # unproven peers disconnected for failing a handshake or opening too many streams
+        self._strikes: OrderedDict[str, int] = OrderedDict()  # unproven peer -> busy refusals, newest last
+        self._disconnecting: dict[str, asyncio.Task[None]] = {}
         self._log = RateLimitedLog(logger, size=4096)
 
     # --- serving ----------------------------------------------------------------------------------------------
@@ -78,6 +88,8 @@ class StreamGuard:
         budget = self.slots.acquire(peer) if known else None
         try:
             if not (known and budget is not None or not known and self.unproven.acquire(peer) is not None):
+                if not known:
+                    self._strike(peer)
                 await self._refuse_busy(peer, known, reader, writer)
                 return
             try:
@@ -124,11 +136,17 @@ class StreamGuard:
             async with asyncio.timeout(timeout):
                 await handshake.accept(reader, writer, self.membership, self.peer_id, peer, name, admit)
         except MembershipError as e:
-            self._refuse(peer, str(e.context.get("code", "refused")), e.message)
+            code = str(e.context.get("code", "refused"))
+            self._refuse(peer, code, e.message)
+            if not known and code in ("HANDSHAKE_NOT_A_MEMBER", "HANDSHAKE_BAD_PROOF"):
+                self._disconnect(peer)
         except (ProtocolViolation, TimeoutError) as e:
             self._refuse(peer, "malformed", f"no handshake within {timeout:g}s" if isinstance(e, TimeoutError)
                          else str(e))
+            if not known:
+                self._disconnect(peer)
         else:
+            self._strikes.pop(peer, None)
             self.proven[peer] = None
             self.proven.move_to_end(peer)
             while len(self.proven) > PROVEN_PEERS:
@@ -150,6 +168,33 @@ class StreamGuard:
         # the refusal is read before the stream closes; an unproven peer gets the short deadline for that
         timeout = self.limits.handshake_timeout if known else self.limits.unproven_handshake_timeout
         await asyncio.wait_for(handshake.refuse(reader, writer, pb.HANDSHAKE_BUSY, "too many streams"), timeout)
+
+    def _strike(self, peer: str) -> None:
+        self._strikes[peer] = self._strikes.get(peer, 0) + 1
+        self._strikes.move_to_end(peer)
+        while len(self._strikes) > REFUSED_PEERS:
+            self._strikes.popitem(last=False)
+        if self._strikes[peer] >= self.limits.max_unproven_refusals:
+            self._disconnect(peer)
+
+    def _disconnect(self, peer: str) -> None:
+        """Closes every connection to ``peer``, which has not proven membership, in the background."""
+        if (not self.limits.disconnect_unproven or peer in self.proven or peer in self._disconnecting
+                or len(self._disconnecting) >= MAX_DISCONNECTING):
+            return
+        self._strikes.pop(peer, None)
+
+        async def disconnect() -> None:
+            try:
+                # hivemind's P2P has no disconnect of its own; p2pd's control protocol has
+                await self.p2p._client.disconnect(PeerID.from_base58(peer))
+                self.disconnected += 1
+            except Exception as e:  # noqa: BLE001 - best effort: the peer may have gone, or p2pd be stopping
+                logger.debug("Could not disconnect %s: %r", peer, e)
+            finally:
+                self._disconnecting.pop(peer, None)
+
+        self._disconnecting[peer] = asyncio.ensure_future(disconnect())
 
     def _refuse(self, peer: str, reason: str, message: str) -> None:
         self.refused[reason] += 1
@@ -185,6 +230,7 @@ class StreamGuard:
             "streams_open": self.slots.streams,
             "unproven_streams_open": self.unproven.streams,
             "streams_accepted": self.accepted,
+            "peers_disconnected": self.disconnected,
             "streams_refused": dict(self.refused),
             "refused_peers": dict(list(self.refused_peers.items())[-20:]),
             "pending_bytes": self.slots.shared.used,

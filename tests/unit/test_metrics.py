@@ -102,11 +102,12 @@ def test_the_codec_scheme_density_and_value_bits_are_reported() -> None:
 
 def test_membership_refusals_are_counted_by_reason() -> None:
     membership = {"mode": "private (swarm secret)", "streams_open": 2, "streams_accepted": 40, "pending_bytes": 512,
-                  "streams_refused": {"HANDSHAKE_NOT_A_MEMBER": 3, "busy": 1}}
+                  "streams_refused": {"HANDSHAKE_NOT_A_MEMBER": 3, "busy": 1}, "peers_disconnected": 2}
     _, samples = parse(DaemonMetrics().render(fake_status(membership=membership)))
     assert samples[("peerd_streams_refused_total", (("reason", "HANDSHAKE_NOT_A_MEMBER"),))] == 3
     assert samples[("peerd_streams_refused_total", (("reason", "busy"),))] == 1
     assert samples[("peerd_streams_accepted_total", ())] == 40
+    assert samples[("peerd_peers_disconnected_total", ())] == 2
     assert samples[("peerd_streams_open", ())] == 2 and samples[("peerd_streams_pending_bytes", ())] == 512
 
 
