@@ -5,7 +5,8 @@ trainer closes or refuses. The trainer's member slots are cut to 64 (swarm.strea
 take any slot that frees, as an attacker would keep them (with exactly 64, a slot a member's stream held at
 the attack's start stayed the member's, round after round).
 
-peerd keeps unproven streams in a pool of their own (4 per peer): the two members average on as before.
+peerd keeps unproven streams in a pool of their own (4 per peer), and disconnects each stranger whose streams
+fail their handshake or flood past that pool: the two members average on as before.
 The same attack against ``tests/integration/undefended.py`` with one pool for both shows the damage: the
 member's streams to the victim are refused as busy and its rounds stop.
 """
@@ -105,6 +106,9 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
                 return delta if delta.get("busy" if undefended else "malformed") else None
 
             delta = wait_for(refusals, 60, "the strangers' streams to be refused", 0.5)
+            if not undefended:  # each stranger that failed a handshake or flooded past its pool is disconnected
+                wait_for(lambda: victim.status(timeout=30)["membership"]["peers_disconnected"] >= IDENTITIES, 60,
+                         f"the victim to disconnect the {IDENTITIES} strangers", 0.5)
         finally:
             stranger.terminate()
             stranger.wait(30)
