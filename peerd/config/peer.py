@@ -42,13 +42,14 @@ class StreamLimits(Section):
         default=5.0, gt=0, description="Seconds a peer that has not proven membership to us yet has to finish "
         "a stream's handshake.")
     disconnect_unproven: bool = Field(
-        default=True, description="Disconnect a peer that has not proven membership to us when it fails a "
-        "handshake (a wrong proof, or silence past unproven_handshake_timeout) or is refused as busy "
-        "max_unproven_refusals times: every stream reaches this daemon through p2pd before it can be refused, "
-        "and closing the connection ends all of that peer's streams at once; it must reconnect to try again.")
+        default=True, description="Disconnect a peer that has not proven membership to us when it sends a wrong "
+        "proof, or when max_unproven_refusals of its streams were refused: every stream reaches this daemon "
+        "through p2pd before it can be refused, and closing the connection ends all of that peer's streams at "
+        "once; it must reconnect to try again.")
     max_unproven_refusals: int = Field(
-        default=16, ge=1, description="Streams refused as busy that a peer which has not proven membership to "
-        "us may open before it is disconnected (with disconnect_unproven).")
+        default=16, ge=1, description="Streams of a peer that has not proven membership to us that may be refused "
+        "(as busy, or ending without a handshake: silent past unproven_handshake_timeout, malformed, closed "
+        "early) before it is disconnected, with disconnect_unproven.")
     max_pending_bytes_per_peer: int = Field(
         default=256 * 2**20, ge=2**20, description="Bytes of frames one peer may have us receiving at once "
         "(announced lengths of frames being read); a frame beyond it ends that stream.")

@@ -12,10 +12,11 @@ once its proof checked out: strangers, however many identities they mint, hold a
 slots members use.
 
 Every stream, refused or not, costs this daemon and its p2pd work before it can be refused, and a stranger's
-streams are free to reopen. So a peer that has not proven membership and fails a handshake (a wrong proof,
-or silence past its deadline), or keeps opening streams past its pool, is disconnected
-(``swarm.streams.disconnect_unproven``): that ends all its streams at once, and it pays a new connection to
-try again. Peer ids are authenticated by libp2p, so nobody can get another peer disconnected.
+streams are free to reopen. So a peer that has not proven membership is disconnected
+(``swarm.streams.disconnect_unproven``) once it sends a wrong proof, or once ``max_unproven_refusals`` of its
+streams were refused as busy or ended without a handshake: that ends all its streams at once, and it pays a
+new connection to try again. Peer ids are authenticated by libp2p, so nobody can get another peer
+disconnected.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class StreamGuard:
         self.refused: Counter[str] = Counter()  # inbound streams refused, by reason
         self.refused_peers: OrderedDict[str, str] = OrderedDict()  # peer id -> its last refusal, newest last
         self.accepted = 0
-        self.disconnected = 0  # unproven peers disconnected for failing a handshake or opening too many streams
-        self._strikes: OrderedDict[str, int] = OrderedDict()  # unproven peer -> busy refusals, newest last
+        self.disconnected = 0  # unproven peers disconnected: a wrong proof, or too many streams refused
+        self._strikes: OrderedDict[str, int] = OrderedDict()  # unproven peer -> streams refused, newest last
         self._disconnecting: dict[str, asyncio.Task[None]] = {}
         self._log = RateLimitedLog(logger, size=4096)
 
@@ -143,8 +144,8 @@ class StreamGuard:
         except (ProtocolViolation, TimeoutError) as e:
             self._refuse(peer, "malformed", f"no handshake within {timeout:g}s" if isinstance(e, TimeoutError)
                          else str(e))
-            if not known:
-                self._disconnect(peer)
+            if not known:  # also a member's first stream, closed early because its round ended: not at once
+                self._strike(peer)
         else:
             self._strikes.pop(peer, None)
             self.proven[peer] = None

@@ -1,5 +1,6 @@
-"""The stream guard disconnects a peer that has not proven membership when it fails a handshake or keeps
-opening streams past its pool, and never a peer that proved it (peer ids are libp2p's, authenticated)."""
+"""The stream guard disconnects a peer that has not proven membership when it sends a wrong proof, or when
+enough of its streams were refused (busy, or no handshake), and never a peer that proved it (peer ids are
+libp2p's, authenticated)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ from peerd.wire.membership import Membership
 pytestmark = pytest.mark.timeout(30)
 
 SECRET = Membership(bytes(range(32)))
-OTHER_SECRET = Membership(bytes(32))
 PROTOCOL = "peerd.v1.test"
 # libp2p-shaped ids (PeerID.from_base58 must parse them)
-ME, MEMBER, STRANGER = (str(PeerID.from_base58(x)) for x in (
+ME, MEMBER, STRANGER, SILENT = (str(PeerID.from_base58(x)) for x in (
     "QmXwLiFBnJqfAj5zHRQ4PaoBo8mFrqMs1vYUCy3hP9ViUW", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN",
-    "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC"))
+    "QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupNKC", "QmSoLPppuBtQSGwKDZT2M73ULpjvfd3aZ6ha4oFGL1KrGM"))
 
 
 class _Client:
@@ -73,32 +73,39 @@ async def _settle(guard: StreamGuard) -> None:
         await asyncio.sleep(0)
 
 
-def test_failed_handshakes_disconnect_an_unproven_peer_and_never_a_member() -> None:
-    async def main() -> tuple[list[str], list[str], int]:
-        guard, client = _guard(unproven_handshake_timeout=0.3, handshake_timeout=0.3)
+def test_a_wrong_proof_disconnects_at_once_silence_after_enough_streams_and_a_member_never() -> None:
+    async def main() -> tuple[list[str], list[str], list[str], int]:
+        guard, client = _guard(unproven_handshake_timeout=0.3, handshake_timeout=0.3, max_unproven_refusals=2)
         served: list[str] = []
-        # a member proves itself, then lets a stream go silent: it is refused, not disconnected
+        # a member proves itself, then lets streams go silent: refused, never disconnected
         task, reader, writer = await _stream(guard, MEMBER, served)
         await handshake.initiate(reader, writer, SECRET, MEMBER, ME, PROTOCOL)
         await task
-        task, reader, writer = await _stream(guard, MEMBER, served)
-        await task
-        # a stranger with another secret, and a silent stranger: both disconnected
+        for _ in range(3):
+            task, reader, writer = await _stream(guard, MEMBER, served)
+            await task
+        # a stranger without the secret is told it is not a member, and disconnected at once
         task, reader, writer = await _stream(guard, STRANGER, served)
-        with pytest.raises(MembershipError):
-            await handshake.initiate(reader, writer, OTHER_SECRET, STRANGER, ME, PROTOCOL)
+        with pytest.raises(MembershipError, match="HANDSHAKE_NOT_A_MEMBER"):
+            await handshake.initiate(reader, writer, Membership(), STRANGER, ME, PROTOCOL)
+        writer.close()  # as StreamGuard.open does: the guard waits for that before it counts the refusal
         await task
         await _settle(guard)
-        first = list(client.disconnected)
-        task, reader, writer = await _stream(guard, STRANGER, served)
+        after_proof = list(client.disconnected)
+        # a silent peer (a member's stream closed early looks alike): once is a strike, the second disconnects
+        task, reader, writer = await _stream(guard, SILENT, served)
+        await task
+        await _settle(guard)
+        after_one = list(client.disconnected)
+        task, reader, writer = await _stream(guard, SILENT, served)
         await task
         await _settle(guard)
         await _close_all()
-        return first, client.disconnected, guard.disconnected
+        return after_proof, after_one, client.disconnected, guard.disconnected
 
-    first, disconnected, count = asyncio.run(main())
-    assert first == [STRANGER]  # the wrong proof
-    assert disconnected == [STRANGER, STRANGER] and count == 2  # and the silence
+    after_proof, after_one, disconnected, count = asyncio.run(main())
+    assert after_proof == [STRANGER] and after_one == [STRANGER]
+    assert disconnected == [STRANGER, SILENT] and count == 2
     assert MEMBER not in disconnected
 
 
