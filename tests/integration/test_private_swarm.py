@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +51,23 @@ def good_calls(peer: PeerProcess) -> int:
                for info in client["experts"].values() for phase in ("forward", "backward"))
 
 
+async def refused(attempt: Callable[[], Awaitable[Any]], error: type[Exception], member: str,
+                  disconnects: Callable[[str], int]) -> None:
+    """``attempt`` fails with ``error`` for a failed proof, and ``member`` then disconnects the dialer; the next
+    attempt waits for that, so that it dials afresh instead of racing the disconnect."""
+    before = await asyncio.to_thread(disconnects, member)
+    with pytest.raises(error, match="proof of the swarm secret failed"):
+        await attempt()
+    async with asyncio.timeout(30):
+        while await asyncio.to_thread(disconnects, member) <= before:
+            await asyncio.sleep(0.1)  # the count is read from the member's status
+
+
 async def dial_every_protocol(bootstrap: str, host: str, members: list[str], secrets: tuple[Path, Path],
-                              fingerprint: str) -> str:
+                              fingerprint: str, disconnects: Callable[[str], int]) -> str:
     """Joins the DHT through ``bootstrap`` and opens each peerd protocol to each member that serves it (expert
-    calls: the host) with another swarm's secret (``secrets[1]``): every open must be refused, and a state
+    calls: the host) with another swarm's secret (``secrets[1]``): every open must be refused, after which the
+    member disconnects the dialer (``disconnects``: a member's count of peers it disconnected), and a state
     download fails. With the swarm's own secret (``secrets[0]``) the same download gets the model: what the
     handshake keeps from strangers. Returns this dialer's peer id."""
     p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[bootstrap])
@@ -62,10 +75,8 @@ async def dial_every_protocol(bootstrap: str, host: str, members: list[str], sec
         guard = StreamGuard(p2p, Membership(load_secret(secrets[1])), StreamLimits())
         for member in members:
             for protocol in (AVERAGING, STATE, EXPERTS) if member == host else (AVERAGING, STATE):
-                with pytest.raises(MembershipError, match="proof of the swarm secret failed"):
-                    await guard.open(member, protocol)
-        with pytest.raises(StateError, match="proof of the swarm secret failed"):
-            await probe_state(guard, host, fingerprint, 1 << 30)
+                await refused(lambda m=member, p=protocol: guard.open(m, p), MembershipError, member, disconnects)
+        await refused(lambda: probe_state(guard, host, fingerprint, 1 << 30), StateError, host, disconnects)
         holder = StreamGuard(p2p, Membership(load_secret(secrets[0])), StreamLimits())
         layout = (await probe_state(holder, host, fingerprint, 1 << 30)).layout  # the dialer has no model of its own
         state = await StateDownloader(holder, fingerprint, layout, 1 << 30, rounds=1).download([host])
@@ -98,8 +109,10 @@ def test_strangers_get_no_rounds_no_experts_no_state(swarm: LocalSwarm, tmp_path
     stranger_ids = {p.peer_id for p in strangers}
     assert status(strangers[0])["membership"]["mode"] == "open"
     # a stranger dialling every protocol directly, holding the other secret: refused by each
-    dialer = asyncio.run(dial_every_protocol(host.ready["maddrs"][0], host.peer_id, [p.peer_id for p in members],
-                                             (secret, other), status(host)["training"]["fingerprint"]))
+    by_id = {p.peer_id: p for p in members}
+    dialer = asyncio.run(dial_every_protocol(host.ready["maddrs"][0], host.peer_id, list(by_id), (secret, other),
+                                             status(host)["training"]["fingerprint"],
+                                             lambda m: int(status(by_id[m])["membership"]["peers_disconnected"])))
     stranger_ids.add(dialer)
 
     def refused_everywhere() -> bool:

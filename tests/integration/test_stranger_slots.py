@@ -5,8 +5,8 @@ trainer closes or refuses. The trainer's member slots are cut to 64 (swarm.strea
 take any slot that frees, as an attacker would keep them (with exactly 64, a slot a member's stream held at
 the attack's start stayed the member's, round after round).
 
-peerd keeps unproven streams in a pool of their own (4 per peer), and disconnects each stranger whose streams
-fail their handshake or flood past that pool: the two members average on as before.
+peerd keeps unproven streams in a pool of their own (4 per peer), and disconnects each stranger once 16 of its
+streams were refused: the two members average on as before.
 The same attack against ``tests/integration/undefended.py`` with one pool for both shows the damage: the
 member's streams to the victim are refused as busy and its rounds stop.
 """
@@ -83,10 +83,14 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
             assert stranger.stdout is not None
             ready = json.loads(stranger.stdout.readline())
             # the strangers' streams reach the victim's handler after they opened on their side: time the
-            # rounds once they hold the pool they aim at (member slots without the defence, else the unproven)
-            pool, full = ("streams_open", 64) if undefended else ("unproven_streams_open", IDENTITIES * 4)
-            wait_for(lambda: victim.status(timeout=30)["membership"][pool] >= full, 60,
-                     f"the strangers to hold {full} of the victim's {pool}", 0.2)
+            # rounds once they hold the pool they aim at (member slots without the defence); defended, they never
+            # hold the unproven pool for long: each identity is disconnected once 16 of its streams were refused
+            if undefended:
+                wait_for(lambda: victim.status(timeout=30)["membership"]["streams_open"] >= 64, 60,
+                         "the strangers to hold the victim's 64 member slots", 0.2)
+            else:
+                wait_for(lambda: victim.status(timeout=30)["membership"]["peers_disconnected"] >= IDENTITIES, 60,
+                         f"the victim to disconnect the {IDENTITIES} strangers", 0.2)
             if undefended:
                 # the count includes any member's stream open at that moment: its slot goes to the strangers'
                 # spare streams once it frees, and the member's refusal says they hold the rest
@@ -101,14 +105,12 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
             def refusals() -> dict[str, int] | None:
                 refused = victim.status(timeout=30)["membership"]["streams_refused"]
                 delta = {k: v - refused_before.get(k, 0) for k, v in refused.items() if v != refused_before.get(k, 0)}
-                # defended, the strangers' silent streams end at the unproven deadline; undefended, the
-                # member's own streams are refused as busy
-                return delta if delta.get("busy" if undefended else "malformed") else None
+                # defended, the strangers' streams end without a handshake or are refused as busy; undefended,
+                # the member's own streams are refused as busy
+                seen = delta.get("busy") if undefended else delta.get("malformed") or delta.get("busy")
+                return delta if seen else None
 
             delta = wait_for(refusals, 60, "the strangers' streams to be refused", 0.5)
-            if not undefended:  # each stranger that failed a handshake or flooded past its pool is disconnected
-                wait_for(lambda: victim.status(timeout=30)["membership"]["peers_disconnected"] >= IDENTITIES, 60,
-                         f"the victim to disconnect the {IDENTITIES} strangers", 0.5)
         finally:
             stranger.terminate()
             stranger.wait(30)
