@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -170,35 +171,32 @@ def members_under_attack(seconds: float, identities: int, streams: int, nbytes: 
             member.remember_tree()
         wait_for(lambda: rounds(members) >= 5, 120, "the members to average 5 rounds", 1.0)
         maddrs = [m.ready["maddrs"][0] for m in members]
-        cpu = f"cpu = {nbytes / MiB:g} MiB store requests back to back per member, " if with_cpu else ""
-        print(f"2 members, configs/synthetic.yaml, private swarm; attackers: {cpu}slots = {identities} identities "
+        stores = f"cpu = {nbytes / MiB:g} MiB store requests back to back per member, " if with_cpu else ""
+        print(f"2 members, configs/synthetic.yaml, private swarm; attackers: {stores}slots = {identities} identities "
               f"x {streams} streams per member; "
               f"attackers held to {cap.cores if cap.path else 'any number of'} cores; members: {overrides or 'defaults'}")
+
+        def attacked(name: str, start: Callable[[], list[subprocess.Popen[str]]]) -> None:
+            attack = start()
+            cap.add(attack)
+            try:
+                phase(name, members, seconds)
+            finally:
+                stop(attack)
+
+        def cpu() -> list[subprocess.Popen[str]]:
+            return cpu_attack(maddrs, "peerd-synthetic.peers", nbytes)
+
         phase("quiet", members, seconds)
-        attack = burner()
-        cap.add(attack)
-        try:
-            phase("burner", members, seconds)
-        finally:
-            stop(attack)
-        attack = cpu_attack(maddrs, "peerd-synthetic.peers", nbytes) if with_cpu else []
-        cap.add(attack)
-        try:
-            if with_cpu:
-                phase("cpu", members, seconds)
-        finally:
-            stop(attack)
+        attacked("burner", burner)
+        if with_cpu:
+            attacked("cpu", cpu)
         attack = slot_attack(maddrs, identities, streams)
         cap.add(attack)
         try:
             phase("slots", members, seconds)
-            more = cpu_attack(maddrs, "peerd-synthetic.peers", nbytes) if with_cpu else []
-            cap.add(more)
-            try:
-                if with_cpu:
-                    phase("both", members, seconds)
-            finally:
-                stop(more)
+            if with_cpu:
+                attacked("both", cpu)
         finally:
             stop(attack)
         phase("quiet", members, seconds)

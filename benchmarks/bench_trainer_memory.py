@@ -5,8 +5,8 @@ the model, its optimizer (eager slots), the error-feedback residuals and the sta
 (``peerd.training.local.LocalModel``), and in diloco mode the outer state (shared parameters, anchor, outer
 momentum, pseudo-gradient and average: ``peerd.training.diloco.outer.OuterState``). It then takes
 ``--steps`` micro-batches with their optimizer steps. Printed: resident memory (RSS) once torch and peerd are
-imported (and the modules torch loads with its first optimizer), after the task (and its model) was built, with the trainer's tensors, and after the steps, and the
-growth per trainable parameter from the first to the third and to the last (gradients and what the allocator
+imported (and the modules torch loads with its first optimizer), after the task (and its model) was built,
+with the trainer's tensors, and after the steps, and the growth per trainable parameter from the first to the third and to the last (gradients and what the allocator
 keeps of the activations). The growth includes what the allocator keeps of
 the activations, not the rounds' transient payloads (a chunk at a time) or p2pd's and the DHT's processes.
 

@@ -48,6 +48,14 @@ PROVEN_PEERS = 4096
 MAX_DISCONNECTING = 64  # disconnect requests to p2pd in flight at once; a flood of new identities waits its turn
 
 
+def _remember(table: OrderedDict[str, Any], peer: str, value: Any, limit: int) -> None:
+    """Sets ``table[peer]`` as its newest entry, dropping the oldest beyond ``limit`` (peer ids are free to mint)."""
+    table[peer] = value
+    table.move_to_end(peer)
+    while len(table) > limit:
+        table.popitem(last=False)
+
+
 class StreamGuard:
     def __init__(self, p2p: P2P, membership: Membership, limits: StreamLimits) -> None:
         self.p2p = p2p
@@ -148,10 +156,7 @@ class StreamGuard:
                 self._strike(peer)
         else:
             self._strikes.pop(peer, None)
-            self.proven[peer] = None
-            self.proven.move_to_end(peer)
-            while len(self.proven) > PROVEN_PEERS:
-                self.proven.popitem(last=False)
+            _remember(self.proven, peer, None, PROVEN_PEERS)
             return self.slots.budgets[peer] if known else taken[0]
         if known or taken:  # its member's slot goes back (a new one broke at the verdict, after taking it)
             self.slots.release(peer)
@@ -171,10 +176,7 @@ class StreamGuard:
         await asyncio.wait_for(handshake.refuse(reader, writer, pb.HANDSHAKE_BUSY, "too many streams"), timeout)
 
     def _strike(self, peer: str) -> None:
-        self._strikes[peer] = self._strikes.get(peer, 0) + 1
-        self._strikes.move_to_end(peer)
-        while len(self._strikes) > REFUSED_PEERS:
-            self._strikes.popitem(last=False)
+        _remember(self._strikes, peer, self._strikes.get(peer, 0) + 1, REFUSED_PEERS)
         if self._strikes[peer] >= self.limits.max_unproven_refusals:
             self._disconnect(peer)
 
@@ -199,10 +201,7 @@ class StreamGuard:
 
     def _refuse(self, peer: str, reason: str, message: str) -> None:
         self.refused[reason] += 1
-        self.refused_peers[peer] = message[:300]
-        self.refused_peers.move_to_end(peer)
-        while len(self.refused_peers) > REFUSED_PEERS:
-            self.refused_peers.popitem(last=False)
+        _remember(self.refused_peers, peer, message[:300], REFUSED_PEERS)
         self._log((peer, reason), logging.WARNING, "Refused a stream from %s: %s", peer, message)
 
     # --- opening ----------------------------------------------------------------------------------------------
