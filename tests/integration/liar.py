@@ -44,32 +44,19 @@ def _far_expirations() -> None:
 
 
 HAUNT_AHEAD = 3  # gradient rounds ahead of the furthest trainer it registers for
-HAUNT_REFRESH = 1.0  # pairs: seconds between its registrations for one round, until it decides
+HAUNT_REFRESH = 1.0  # pairs: seconds between its stores of one round's decision, so that its time stays plausible
 HAUNT_LIFETIME = 40.0  # within what readers allow for a round key's entries (configs/synthetic.yaml: 43 + 3 s)
 
 
 def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
     """Registers, at time ``when(its clock)``, for every gradient round the trainers are at or will be at soon
     (it reads their progress records), and never decides: what a member that wants to lead every round and
-    stall it does. Its own matchmaking publishes no decision either. ``pairs``: once two others registered for
-    a round, it decides after all: each of them in a group of two with itself."""
+    stall it does. Its own matchmaking publishes no decision either. ``pairs``: it decides instead, before
+    anyone else registers: every trainer whose progress record it read in a group of two with itself (it needs
+    no one's registration to name them), stored again every HAUNT_REFRESH seconds; so its decision is there
+    at every trainer's first read of the round, whatever the load."""
     honest = node.SwarmNode.store
     haunting: list[asyncio.Task[None]] = []
-
-    times: dict[str, float] = {}  # the time of its latest registration for each round it haunts
-    decided: set[str] = set()
-
-    async def pair_up(swarm: node.SwarmNode, key: str) -> None:
-        for _ in range(600):  # for 60 s at most
-            await asyncio.sleep(0.1)  # polling the round's registrations, as matchmaking does
-            with contextlib.suppress(PeerdError):
-                others = sorted(set(await swarm.read_subkeys(key)) - {swarm.peer_id})
-                if len(others) >= 2:
-                    decided.add(key)
-                    groups = [sorted([swarm.peer_id, other]) for other in others]
-                    entry = {"peer_id": swarm.peer_id, "t": times[key], "groups": groups}
-                    await honest(swarm, key, swarm.peer_id, entry, node.now() + HAUNT_LIFETIME)
-                    return
 
     async def haunt(swarm: node.SwarmNode) -> None:
         refreshed: dict[str, float] = {}
@@ -81,37 +68,30 @@ def _haunt_rounds(when: Callable[[float], float], pairs: bool = False) -> None:
             except PeerdError:
                 continue
             steps = [(r["fingerprint"], r["step"]) for r in records.values() if isinstance(r, dict) and "step" in r]
-            if not steps:
+            others = sorted(set(records) - {swarm.peer_id})
+            if not steps or pairs and len(others) < 2:  # a pair for one trainer alone would be a valid decision
                 continue
             fingerprint, step = max(steps, key=lambda s: s[1])
             for ahead in range(HAUNT_AHEAD):
                 key = f"{progress_key.removesuffix('.progress')}.{fingerprint}.grad.{step + ahead}"
-                # pairs: registered again every HAUNT_REFRESH seconds until it decides, since a time set when the
-                # round was steps ahead may be too early for its registrants to believe once they get there; a
-                # registration stored after its decision would replace it, and it would lead as a silent leader
-                if key in decided or key in refreshed and (not pairs or node.now() - refreshed[key] < HAUNT_REFRESH):
+                if key in refreshed and (not pairs or node.now() - refreshed[key] < HAUNT_REFRESH):
                     continue
-                first = key not in refreshed
                 refreshed[key] = node.now()
-                times[key] = when(node.now())
+                entry: dict[str, Any] = {"peer_id": swarm.peer_id, "t": when(node.now())}
+                if pairs:
+                    entry["groups"] = [sorted([swarm.peer_id, other]) for other in others]
                 with contextlib.suppress(PeerdError):
-                    await honest(swarm, key, swarm.peer_id, {"peer_id": swarm.peer_id, "t": times[key]},
-                                 node.now() + HAUNT_LIFETIME)
-                if pairs and first:
-                    asyncio.ensure_future(pair_up(swarm, key))
+                    await honest(swarm, key, swarm.peer_id, entry, node.now() + HAUNT_LIFETIME)
 
     async def store(self: node.SwarmNode, key: str, subkey: str, payload: dict[str, Any], expiration: float) -> bool:
         if not haunting:
             haunting.append(asyncio.ensure_future(haunt(self)))
-        if "groups" in payload:  # it never decides
+        if "groups" in payload:  # it never decides honestly
             return True
         if "t" in payload:
-            if key in decided:  # its own matchmaking registers late: the decision it published stands
+            if pairs:  # its own matchmaking's registration would replace its decision
                 return True
             payload = {**payload, "t": when(payload["t"])}
-            if pairs and key not in times:
-                times[key] = payload["t"]
-                asyncio.ensure_future(pair_up(self, key))
         return await honest(self, key, subkey, payload, expiration)
 
     node.SwarmNode.store = store  # type: ignore[method-assign]
@@ -161,8 +141,8 @@ async def flood(maddr: str, key: str, secret: Path, identity: Path) -> None:
 
 
 def _pairs() -> None:
-    """Registers for every round 5 s early (the leader) and decides each other registrant into a group of two
-    with itself: groups that name it several times."""
+    """Decides every round, 5 s early (the leader) and before anyone registers: each trainer in a group of two
+    with itself, groups that name it several times."""
     _haunt_rounds(lambda t: t - 5.0, pairs=True)
 
 
