@@ -11,6 +11,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from peerd.bounded import remember
 from peerd.config import LoggingConfig
 
 
@@ -77,10 +78,7 @@ class RateLimitedLog:
             last = self._last.get(key)
             if last is not None and now - last < self.every:
                 return False
-            self._last[key] = now
-            self._last.move_to_end(key)
-            while len(self._last) > self.size:
-                self._last.popitem(last=False)
+            remember(self._last, key, now, self.size)
         self.logger.log(level, message, *args)
         return True
 

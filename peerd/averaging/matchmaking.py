@@ -48,6 +48,7 @@ from pydantic import ValidationError
 
 from peerd.averaging.decisions import PENDING, Entry, decision_problem, leader, ordered, split
 from peerd.averaging.group import Group
+from peerd.bounded import remember
 from peerd.config import AveragingConfig
 from peerd.errors import GroupFailed, PeerdError, ProtocolViolation
 from peerd.swarm.clock import MAX_CLOCK_OFFSET, round_lifetime
@@ -225,10 +226,7 @@ class Matchmaker:
 
     def _skip(self, peer: str, why: str) -> None:
         logger.warning("%s; it leads none of this peer's rounds for %.0fs", why, SKIP_SECONDS)
-        self.skipped[peer] = time.monotonic() + SKIP_SECONDS
-        self.skipped.move_to_end(peer)
-        while len(self.skipped) > MAX_SKIPPED:
-            self.skipped.popitem(last=False)
+        remember(self.skipped, peer, time.monotonic() + SKIP_SECONDS, MAX_SKIPPED)
 
     async def _read(self, state: _Round) -> None:
         """Reads the round's entries (each signed by the peer its subkey names: the swarm node checked that)

@@ -50,6 +50,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
+from peerd.bounded import remember
 from peerd.errors import IdentityError, ProtocolViolation
 from peerd.swarm.sealing import PayloadSeal
 from peerd.wire.membership import Membership
@@ -222,9 +223,7 @@ class RecordVerifier:
         if not known:
             verdict = self._check(message, public_key, signature, tag, signer)
             with self._lock:
-                self._verdicts[digest] = verdict
-                if len(self._verdicts) > CACHE_SIZE:
-                    self._verdicts.popitem(last=False)
+                remember(self._verdicts, digest, verdict, CACHE_SIZE)
         if verdict is not None:
             raise _reject(verdict[0], f"{where}: {verdict[1]}", signer)
         plain = self._seal.open(data, _associated(key_id_bytes, subkey))

@@ -29,6 +29,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
+from peerd.bounded import remember
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError, ProtocolViolation, RPCTimeout
 from peerd.log import RateLimitedLog
@@ -46,14 +47,6 @@ Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[
 REFUSED_PEERS = 1024  # the most recently refused peers status remembers (a stranger mints peer ids at will)
 PROVEN_PEERS = 4096
 MAX_DISCONNECTING = 64  # disconnect requests to p2pd in flight at once; a flood of new identities waits its turn
-
-
-def _remember(table: OrderedDict[str, Any], peer: str, value: Any, limit: int) -> None:
-    """Sets ``table[peer]`` as its newest entry, dropping the oldest beyond ``limit`` (peer ids are free to mint)."""
-    table[peer] = value
-    table.move_to_end(peer)
-    while len(table) > limit:
-        table.popitem(last=False)
 
 
 class StreamGuard:
@@ -156,7 +149,7 @@ class StreamGuard:
                 self._strike(peer)
         else:
             self._strikes.pop(peer, None)
-            _remember(self.proven, peer, None, PROVEN_PEERS)
+            remember(self.proven, peer, None, PROVEN_PEERS)
             return self.slots.budgets[peer] if known else taken[0]
         if known or taken:  # its member's slot goes back (a new one broke at the verdict, after taking it)
             self.slots.release(peer)
@@ -176,7 +169,7 @@ class StreamGuard:
         await asyncio.wait_for(handshake.refuse(reader, writer, pb.HANDSHAKE_BUSY, "too many streams"), timeout)
 
     def _strike(self, peer: str) -> None:
-        _remember(self._strikes, peer, self._strikes.get(peer, 0) + 1, REFUSED_PEERS)
+        remember(self._strikes, peer, self._strikes.get(peer, 0) + 1, REFUSED_PEERS)
         if self._strikes[peer] >= self.limits.max_unproven_refusals:
             self._disconnect(peer)
 
@@ -201,7 +194,7 @@ class StreamGuard:
 
     def _refuse(self, peer: str, reason: str, message: str) -> None:
         self.refused[reason] += 1
-        _remember(self.refused_peers, peer, message[:300], REFUSED_PEERS)
+        remember(self.refused_peers, peer, message[:300], REFUSED_PEERS)
         self._log((peer, reason), logging.WARNING, "Refused a stream from %s: %s", peer, message)
 
     # --- opening ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from peerd.bounded import remember
 from peerd.config import VerificationConfig
 
 __all__ = ["Ban", "BanList"]
@@ -44,10 +45,7 @@ class BanList:
         if current is not None and (current.proven or not proven):
             return False
         seconds = self.config.ban_seconds if proven else self.config.suspect_seconds
-        self._bans[peer] = Ban(reason[:500], proven, self.clock() + seconds)
-        self._bans.move_to_end(peer)
-        while len(self._bans) > self.config.max_bans:
-            self._bans.popitem(last=False)
+        remember(self._bans, peer, Ban(reason[:500], proven, self.clock() + seconds), self.config.max_bans)
         self.total += 1
         logger.warning("Excluding %s from averaging for %.0f s (%s): %s", peer, seconds,
                        "proven" if proven else "seen by this peer only", reason)

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import DecodeError, Message
 
+from peerd.bounded import remember
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.swarm.signing import (
@@ -128,9 +129,7 @@ class KeyBook:
                 raise ProtocolViolation(f"credentials of {peer}: {e.message}", peer_id=peer) from None
             known = (owner, Ed25519PublicKey.from_public_bytes(entry[1]))
             with self._lock:
-                self._keys[entry] = known
-                if len(self._keys) > self.size:
-                    self._keys.popitem(last=False)
+                remember(self._keys, entry, known, self.size)
         owner, key = known
         if owner != peer:
             raise ProtocolViolation(f"credentials for {owner} presented as {peer}'s", peer_id=peer)

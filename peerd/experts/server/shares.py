@@ -21,6 +21,8 @@ from collections import OrderedDict, deque
 
 import torch
 
+from peerd.bounded import remember
+
 __all__ = ["CallerGradients"]
 
 CALLS_KEPT = 16  # of each caller: its median follows what it sends now, not what it sent an hour ago
@@ -47,10 +49,9 @@ class CallerGradients:
             if norm > 0 and math.isfinite(norm):  # a zero gradient teaches nothing: it never sets the reference
                 kept = self._norms.pop(peer, None) or deque(maxlen=CALLS_KEPT)
                 kept.append(norm)
-                self._norms[peer] = kept
                 self._medians[peer] = statistics.median(kept)
-                while len(self._norms) > CALLERS_KEPT:
-                    self._medians.pop(self._norms.popitem(last=False)[0], None)
+                for forgotten, _ in remember(self._norms, peer, kept, CALLERS_KEPT):
+                    self._medians.pop(forgotten, None)
             if self.ratio is None or reference is None or norm <= self.ratio * reference:
                 return grad_outputs
             self.scaled += 1
