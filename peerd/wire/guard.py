@@ -90,9 +90,11 @@ class StreamGuard:
         budget = self.slots.acquire(peer) if known else None
         try:
             if not (known and budget is not None or not known and self.unproven.acquire(peer) is not None):
-                if not known:
-                    self._strike(peer)
-                await self._refuse_busy(peer, known, reader, writer)
+                try:
+                    await self._refuse_busy(peer, known, reader, writer)
+                finally:  # the strike that disconnects comes after the busy answer, which the peer then reads
+                    if not known:
+                        self._strike(peer)
                 return
             try:
                 budget = await self._handshake(peer, name, known, reader, writer)
