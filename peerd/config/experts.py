@@ -145,6 +145,13 @@ class MoEConfig(Section):
     wire: Literal["fp16", "raw"] = Field(
         default="fp16", description="Tensor encoding on the wire: fp16 (raw when fp16 would overflow) or raw."
     )
+    max_answer_ratio: float | None = Field(
+        default=4.0, ge=1, allow_inf_nan=False,
+        description="A host's answer (forward outputs, and input gradients apart) over this many times the typical "
+        "host's, per token (the lower median over recent hosts of each one's recent answers), is left out like a "
+        "failed call and its expert skipped for retry_after seconds, doubling while it goes on; while fewer than 3 "
+        "hosts set the bound, it is scaled down to it instead. No host swamps the tokens routed to it (null: no "
+        "bound).")
     refresh_period: float = Field(default=2.0, gt=0, description="Seconds between reads of the expert records.")
     retry_after: float = Field(
         default=2.0, gt=0, description="Seconds a failed expert is skipped; doubles per failure up to 60 s."

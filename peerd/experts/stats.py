@@ -22,6 +22,7 @@ class CallStats:
     timeouts: int = 0
     late: int = 0  # caller side: abandoned after the layer's grace period (neither answered nor failed)
     activations_gone: int = 0  # caller side: backward calls repeated with the inputs (host dropped them)
+    out_of_bound: int = 0  # caller side: answers over moe.max_answer_ratio times the typical host's
     last_error: str | None = None
     histogram: Distribution | None = None  # shared by a server's or client's experts, for /metrics
     _latencies: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -50,6 +51,7 @@ class CallStats:
             "timeouts": self.timeouts,
             "late": self.late,
             "activations_gone": self.activations_gone,
+            "out_of_bound": self.out_of_bound,
             "mean_ms": None if mean is None else round(mean * 1e3, 3),
             "p99_ms": None if p99 is None else round(p99 * 1e3, 3),
             "last_error": self.last_error,

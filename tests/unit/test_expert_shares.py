@@ -1,5 +1,5 @@
 """What one caller can take of a served expert: its share of the queue, of each batch and of each update
-(peerd/experts/server/batching.py, peerd/experts/server/shares.py)."""
+(peerd/experts/server/batching.py, peerd/experts/bounds.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from peerd.config import ExpertsConfig
+from peerd.experts.bounds import NormBound
 from peerd.experts.calls import CallResult, wire_codec
 from peerd.experts.server.backend import ExpertBackend
 from peerd.experts.server.batching import BatchQueue, PendingCall
 from peerd.experts.server.modules import build_expert
-from peerd.experts.server.shares import CallerGradients
 from peerd.experts.server.workers import Workers
 from peerd.proto import peerd_experts_pb2 as pb
 from peerd.wire import codec
@@ -69,7 +69,7 @@ def test_one_caller_cannot_fill_an_experts_queue() -> None:
 
 
 def test_the_typical_callers_gradient_is_set_by_a_median_a_liar_has_one_vote_in() -> None:
-    bound = CallerGradients(4.0)
+    bound = NormBound(4.0)
     honest = [torch.full((4, HIDDEN), 0.1 * (1 + i)) for i in range(3)]
     for _ in range(3):
         for i, grad in enumerate(honest):
@@ -84,13 +84,13 @@ def test_the_typical_callers_gradient_is_set_by_a_median_a_liar_has_one_vote_in(
 
 
 def test_with_two_callers_the_smaller_sets_the_bound_and_zero_gradients_never_do() -> None:
-    bound = CallerGradients(4.0)
+    bound = NormBound(4.0)
     bound.bound("quiet", torch.zeros(4, HIDDEN))
     assert bound.reference() is None  # a zero gradient teaches nothing and sets nothing
     bound.bound("honest", torch.ones(4, HIDDEN))
     loud = bound.bound("loud", torch.full((4, HIDDEN), 100.0))
     assert torch.allclose(loud, torch.full((4, HIDDEN), 4.0))
-    assert CallerGradients(None).bound("loud", torch.full((4, HIDDEN), 100.0)).max() == 100.0
+    assert NormBound(None).bound("loud", torch.full((4, HIDDEN), 100.0)).max() == 100.0
 
 
 def _update(liar_scale: float, bounded: bool) -> torch.Tensor:
@@ -106,7 +106,7 @@ def _update(liar_scale: float, bounded: bool) -> torch.Tensor:
     async def body() -> list[CallResult]:
         loop = asyncio.get_running_loop()
         workers = Workers(1)
-        gradients = CallerGradients(4.0) if bounded else None
+        gradients = NormBound(4.0) if bounded else None
         queue = BatchQueue(backend, "backward", workers, loop, 64, 256, 0.05, gradients=gradients)
         try:
             if gradients is not None:  # the callers' earlier calls, as the bound has seen them

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from peerd.errors import ActivationsGone, PeerUnreachable, ProtocolViolation, RPCTimeout
+from peerd.experts.bounds import NormBound
 from peerd.experts.calls import HANDLER_NAME, LocalHost, max_payload_bytes
 from peerd.experts.client.directory import ExpertDirectory
 from peerd.experts.client.streams import StreamPool
@@ -39,6 +40,7 @@ T = TypeVar("T")
 class Answer:
     result: torch.Tensor  # [num_tokens, hidden_dim]
     kept: bool  # forward by call_id: the host keeps the activations, so the backward may send only gradients
+    host: str  # the peer that answered
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ExpertClient:
         self._local: LocalHost | None = None
         self.latency = latency_histogram()  # of every call this peer made, for /metrics
         self.layers: dict[str, LayerStats] = {}
+        self._bounds: dict[str, tuple[NormBound, NormBound]] = {}
 
     def attach_local(self, server: LocalHost) -> None:
         """This peer's own expert server: calls to its experts go to it directly (libp2p cannot dial itself)."""
@@ -81,6 +84,25 @@ class ExpertClient:
         """Registers a MoE layer (any thread); the directory starts re-reading the expert records."""
         self.directory.track(refresh_period, retry_after)
         return self.layers.setdefault(name, LayerStats())
+
+    def answer_bounds(self, name: str, ratio: float | None) -> tuple[NormBound, NormBound]:
+        """The bounds on the answers of the hosts MoE layer ``name`` calls: (forward outputs, input gradients)."""
+        return self._bounds.setdefault(name, (NormBound(ratio), NormBound(ratio)))
+
+    def out_of_bound(self, uid: str, phase: pb.ExpertPhase, peer_id: str, left_out: str | None) -> None:
+        """Counts an answer of ``uid`` by ``peer_id`` that its layer found over the bound; ``left_out``: why it
+        was left out (its expert is then skipped), None if it was scaled down instead. Any thread."""
+        name = "forward" if phase == pb.EXPERT_FORWARD else "backward"
+        stats = self.stats.get(uid, {}).get(name)
+        if stats is not None:
+            stats.out_of_bound += 1
+        if left_out is not None:
+            self._loop.call_soon_threadsafe(self.directory.left_out, uid, peer_id, left_out)
+
+    def within_bound(self, uid: str) -> None:
+        """An answer of ``uid`` was within the bound: it is no longer skipped for earlier ones. Any thread."""
+        if uid in self.directory.distrust:
+            self._loop.call_soon_threadsafe(self.directory.within_bound, uid)
 
     # --- calls ------------------------------------------------------------------------------------------------
 
@@ -171,7 +193,9 @@ class ExpertClient:
                     f"own expert {uid} refused the call: {pb.ExpertCode.Name(result.code)} {result.message}",
                     peer_id=peer,
                 )
-            return Answer(codec.decode(result.payload, peer_id=peer, expected_shape=shape).float(), result.kept)
+            return Answer(
+                codec.decode(result.payload, peer_id=peer, expected_shape=shape).float(), result.kept, peer
+            )
         stream = await self._streams.acquire(peer)
         while True:
             answered = False
@@ -203,7 +227,7 @@ class ExpertClient:
                 stream.writer.close()
                 raise
             self._streams.release(peer, stream)
-            return Answer(codec.decode(data, peer_id=peer, expected_shape=shape).float(), response.kept)
+            return Answer(codec.decode(data, peer_id=peer, expected_shape=shape).float(), response.kept, peer)
         self._streams.release(peer, stream)
         raise ActivationsGone(response.message, peer_id=peer)
 

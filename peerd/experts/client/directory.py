@@ -4,7 +4,9 @@ Lives on the daemon's event loop; MoE layers on worker threads read it without a
 replaced whole on every refresh, never mutated). An expert is routable when its record is unexpired, its host
 speaks this expert protocol, its width matches and it is not backing off. A failed call makes its expert back
 off for ``retry_after`` seconds, doubling per consecutive failure up to :data:`MAX_BACKOFF`; a success, or a
-new announcement from a restarted host (another ``started_at``), makes it routable again at once.
+new announcement from a restarted host (another ``started_at``), makes it routable again at once. An expert
+whose answer its layer left out as too large (:mod:`peerd.experts.client.layer`) is skipped the same way, on a
+count of its own that only an answer within the bound, or another host, clears: the liar's calls succeed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from peerd.errors import PeerdError
 from peerd.experts.records import PROTOCOL_VERSION, ExpertReader, SeenExpert, bind
 from peerd.swarm.node import SwarmNode, now
 
-__all__ = ["MAX_BACKOFF", "Backoff", "ExpertDirectory"]
+__all__ = ["MAX_BACKOFF", "Backoff", "Distrust", "ExpertDirectory"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +37,20 @@ class Backoff:
     started_at: float  # of the record that failed; a new announcement clears the backoff
 
 
+@dataclass
+class Distrust:
+    until: float  # time.monotonic()
+    delay: float
+    peer_id: str  # the host whose answer was left out; another host of the uid starts afresh
+
+
 class ExpertDirectory:
     def __init__(self, swarm: SwarmNode, key: str) -> None:
         self.swarm = swarm
         self.key = key
         self.records: dict[str, SeenExpert] = {}  # replaced whole: worker threads read it without a lock
         self.backoff: dict[str, Backoff] = {}
+        self.distrust: dict[str, Distrust] = {}
         self._reader = ExpertReader(swarm.drop)
         self._loop = asyncio.get_running_loop()
         self._retry_after = 2.0
@@ -107,7 +117,7 @@ class ExpertDirectory:
         reasons: list[str | None] = []
         for uid in uids:
             seen = records.get(uid)
-            backoff = self.backoff.get(uid)
+            backoff, distrust = self.backoff.get(uid), self.distrust.get(uid)
             if seen is None:
                 reasons.append("not announced")
             elif seen.expires_at < current:
@@ -118,6 +128,8 @@ class ExpertDirectory:
                 reasons.append(f"width {seen.record.hidden_dim}, not {hidden_dim}")
             elif backoff is not None and backoff.until > clock:
                 reasons.append(f"backing off for {backoff.until - clock:.1f}s")
+            elif distrust is not None and distrust.until > clock and distrust.peer_id == seen.record.peer_id:
+                reasons.append(f"answered out of bound: skipped for {distrust.until - clock:.1f}s")
             else:
                 reasons.append(None)
         return reasons
@@ -131,9 +143,23 @@ class ExpertDirectory:
     def succeeded(self, uid: str) -> None:
         self.backoff.pop(uid, None)
 
+    def left_out(self, uid: str, peer_id: str, reason: str) -> None:
+        """An answer of ``uid`` by ``peer_id`` was out of bound: skip it for ``retry_after`` seconds, doubling per
+        answer left out in a row up to :data:`MAX_BACKOFF`."""
+        previous = self.distrust.get(uid)
+        same = previous is not None and previous.peer_id == peer_id
+        delay = min(MAX_BACKOFF, previous.delay * 2) if previous is not None and same else self._retry_after
+        self.distrust[uid] = Distrust(time.monotonic() + delay, delay, peer_id)
+        logger.info("Expert %s at %s answered out of bound (%s); skipping it for %.1fs", uid, peer_id, reason, delay)
+
+    def within_bound(self, uid: str) -> None:
+        self.distrust.pop(uid, None)
+
     def backing_off_for(self, uid: str) -> float:
-        backoff, clock = self.backoff.get(uid), time.monotonic()
-        return round(backoff.until - clock, 2) if backoff and backoff.until > clock else 0.0
+        """Seconds ``uid`` is still skipped for, after failures or answers out of bound."""
+        clock = time.monotonic()
+        until = max((s.until for s in (self.backoff.get(uid), self.distrust.get(uid)) if s is not None), default=clock)
+        return round(until - clock, 2) if until > clock else 0.0
 
     def close(self) -> None:
         if self._refresher is not None:

@@ -11,6 +11,11 @@ see :mod:`peerd.experts.server.stash`); the host returns input gradients and upd
 Fallback: a token no expert answered for (or every expert dead) gets a **zero** output, so in a residual
 block it passes through unchanged; its router gets no gradient from it in that pass.
 
+Answers are bounded (:mod:`peerd.experts.bounds`), forward outputs and input gradients apart: an answer over
+``max_answer_ratio`` times the typical host's, per token, is left out like a failed call and its expert is
+skipped for a while, or, while fewer than three hosts set the bound, scaled down to it. A forward answer scaled
+by ``f`` is a function scaled by ``f``, so its backward call carries the output gradients times ``f``.
+
 The module's only parameters are the router's: the experts' parameters live on their hosts. It must run on a
 worker thread (the trainer's), never on the daemon's event loop thread, which does the I/O.
 """
@@ -29,6 +34,7 @@ from torch import nn
 
 from peerd.config import MoEConfig
 from peerd.errors import ActivationsGone, PeerdError
+from peerd.experts.bounds import NormBound, per_token_norm
 from peerd.experts.calls import wire_codec
 from peerd.experts.client.client import Answer, ExpertClient, LayerStats
 from peerd.experts.client.dispatch import gather_quorum
@@ -45,8 +51,13 @@ _WARN_EVERY = 30.0  # seconds between warnings that a layer has no expert to cal
 
 logger = logging.getLogger(__name__)
 _FIRST_REFRESH_TIMEOUT = 15.0
+# Hosts whose answers set the bound before an answer over it is left out (below: scaled down): the lower median
+# of three hosts' is never one liar's.
+_JURY = 3
+_TINY = 1e-12  # what a call that sent zeros is measured against
 
 Plan = list[tuple[int, torch.Tensor, torch.Tensor]]  # (expert, token indices, slot indices) per called expert
+Kept = tuple[dict[int, int], dict[int, float]]  # per expert: the call id of its kept activations, its answer's scale
 
 
 class RemoteMoE(nn.Module):
@@ -72,6 +83,7 @@ class RemoteMoE(nn.Module):
         self.stats = LayerStats()
         self._warned_at = -math.inf
         self._dummy = torch.empty(0, requires_grad=True)  # makes backward run even if the input needs no grad
+        self._bounds = (NormBound(config.max_answer_ratio), NormBound(config.max_answer_ratio))
         if client is not None:
             self.attach(client)
 
@@ -79,6 +91,7 @@ class RemoteMoE(nn.Module):
         """Connects the layer to the swarm's experts (models may be built before the daemon's P2P exists)."""
         self._client = client
         self.stats = client.track(self.name, self.config.refresh_period, self.config.retry_after)
+        self._bounds = client.answer_bounds(self.name, self.config.max_answer_ratio)
 
     @property
     def client(self) -> ExpertClient:
@@ -143,6 +156,35 @@ class RemoteMoE(nn.Module):
         quorum = gather_quorum(calls, [tokens for _, tokens, _ in plan], need, deadline, self.config.grace)
         return self.client.run(quorum, deadline + _SLACK)
 
+    def _bound(
+        self, results: dict[int, Answer], sent: list[torch.Tensor], plan: Plan, phase: pb.ExpertPhase
+    ) -> dict[int, float]:
+        """The factor each answer is multiplied by. What is bounded is an answer's gain: its per-token norm over
+        that of what the call sent (inputs, or output gradients), so that neither the tokens nor their gate
+        weights, which scale the output gradients, make an honest answer look large. 1 within the bound (and for
+        this peer's own experts). Over
+        it: 0, the answer left out and its expert skipped, once at least ``_JURY`` hosts' answers set the bound;
+        with fewer, the factor that scales it down to the bound, since one of two hosts may be a liar that set
+        it low. Every answer of the pass counts in its host's median first, so the answers of the first pass
+        already bound each other."""
+        bound = self._bounds[0 if phase == pb.EXPERT_FORWARD else 1]
+        norms = {i: per_token_norm(answer.result) / max(per_token_norm(sent[i]), _TINY) for i, answer in results.items()}
+        for i, answer in results.items():
+            bound.observe(answer.host, norms[i])
+        me, factors = self.client.swarm.peer_id, {}
+        for i, answer in results.items():
+            uid = self.uids[plan[i][0]]
+            factors[i] = 1.0 if answer.host == me else bound.factor(norms[i])
+            if factors[i] == 1.0:
+                self.client.within_bound(uid)
+                continue
+            why = None
+            if bound.voters >= _JURY:
+                why = f"gain {norms[i]:.3g}, over {bound.ratio}x the typical host's {bound.reference():.3g}"
+                factors[i] = 0.0
+            self.client.out_of_bound(uid, phase, answer.host, why)
+        return factors
+
     def _call(
         self, expert: int, phase: pb.ExpertPhase, parts: list[torch.Tensor], call_id: int = 0
     ) -> Coroutine[Any, Any, Answer]:
@@ -158,25 +200,30 @@ class RemoteMoE(nn.Module):
 
     def remote_forward(
         self, flat: torch.Tensor, indices: torch.Tensor, keep: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
-        """Outputs [T, k, d], which answered [T, k], and the call id of each expert that keeps activations."""
+    ) -> tuple[torch.Tensor, torch.Tensor, Kept]:
+        """Outputs [T, k, d], which answered [T, k], and per expert: the call id of the activations its host
+        keeps, and its answer's scale."""
         plan = self._plan(indices)
         ids = [secrets.randbits(63) | 1 if keep else 0 for _ in plan]  # nonzero: keep the activations
+        sent = [flat[tokens] for _, tokens, _ in plan]
         calls = [
-            self._call(expert, pb.EXPERT_FORWARD, [flat[tokens]], call_id)
-            for (expert, tokens, _), call_id in zip(plan, ids, strict=True)
+            self._call(expert, pb.EXPERT_FORWARD, [inputs], call_id)
+            for (expert, _, _), inputs, call_id in zip(plan, sent, ids, strict=True)
         ]
         results = self._call_all(calls, plan, flat.shape[0])
+        factors = self._bound(results, sent, plan, pb.EXPERT_FORWARD)
         outputs = flat.new_zeros(*indices.shape, self.hidden_dim)
         answered = torch.zeros(indices.shape, dtype=torch.bool)
         kept: dict[int, int] = {}
+        scales: dict[int, float] = {}
         for i, (expert, tokens, slots) in enumerate(plan):
-            if i in results:
-                outputs[tokens, slots] = results[i].result
+            if factors.get(i, 0.0) > 0.0:
+                outputs[tokens, slots] = results[i].result * factors[i]
                 answered[tokens, slots] = True
+                scales[expert] = factors[i]
                 if results[i].kept:
                     kept[expert] = ids[i]
-        return outputs, answered, kept
+        return outputs, answered, (kept, scales)
 
     def remote_backward(
         self,
@@ -184,19 +231,22 @@ class RemoteMoE(nn.Module):
         indices: torch.Tensor,
         answered: torch.Tensor,
         grad_outputs: torch.Tensor,
-        kept: dict[int, int],
+        kept: Kept,
     ) -> torch.Tensor:
         # an expert that answered the forward call answered for all its tokens: same tokens, same order
         plan = self._plan(indices, answered)
+        ids, scales = kept
+        sent = [grad_outputs[tokens, slots] * scales.get(expert, 1.0) for expert, tokens, slots in plan]
         calls = [
-            self._backward_call(expert, flat[tokens], grad_outputs[tokens, slots], kept.get(expert, 0))
-            for expert, tokens, slots in plan
+            self._backward_call(expert, flat[tokens], grads, ids.get(expert, 0))
+            for (expert, tokens, _), grads in zip(plan, sent, strict=True)
         ]
         results = self._call_all(calls, plan, flat.shape[0])
+        factors = self._bound(results, sent, plan, pb.EXPERT_BACKWARD)
         grad_inputs = torch.zeros_like(flat)
         for i, (_, tokens, _) in enumerate(plan):
-            if i in results:
-                grad_inputs.index_add_(0, tokens, results[i].result)
+            if factors.get(i, 0.0) > 0.0:
+                grad_inputs.index_add_(0, tokens, results[i].result * factors[i])
         return grad_inputs
 
     async def _backward_call(

@@ -6,7 +6,7 @@ takes the calls that queued up meanwhile, up to ``experts.max_request_tokens`` t
 in turn, so the busier the expert the larger its batches, and a caller with many calls waiting takes no more
 of a batch than one with a single call. One caller's calls wait for at most
 ``experts.max_queued_tokens_per_caller`` tokens at once: the rest of the queue stays open to the others. A
-backward call's output gradients are bounded against other callers' (:mod:`peerd.experts.server.shares`).
+backward call's output gradients are bounded against other callers' (:mod:`peerd.experts.bounds`).
 Payloads are decoded and validated on the compute thread, each call on its own: one caller's malformed tensor
 fails only that call. Results go back to the event loop through futures.
 
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from peerd.errors import CodecError
+from peerd.experts.bounds import NormBound
 from peerd.experts.calls import CallResult, wire_codec
 from peerd.experts.server.backend import BackwardItem, ExpertBackend, ExpertFailure
-from peerd.experts.server.shares import CallerGradients
 from peerd.experts.server.stash import ActivationStash
 from peerd.experts.server.workers import Job, Workers
 from peerd.proto import peerd_experts_pb2 as pb
@@ -64,7 +64,7 @@ class BatchQueue:
         stash: ActivationStash | None = None,
         *,
         max_queued_per_caller: int | None = None,
-        gradients: CallerGradients | None = None,
+        gradients: NormBound | None = None,
     ) -> None:
         """``max_queued_per_caller``: tokens one caller may have waiting (None: ``max_queued_tokens``);
         ``gradients``: the bound on backward calls' output gradients (None: none)."""

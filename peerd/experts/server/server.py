@@ -18,13 +18,13 @@ from google.protobuf.message import DecodeError
 
 from peerd.config import ExpertsConfig
 from peerd.errors import PeerdError, ProtocolViolation
+from peerd.experts.bounds import NormBound
 from peerd.experts.calls import HANDLER_NAME, IDLE_SECONDS, PHASES, CallResult
 from peerd.experts.records import PROTOCOL_VERSION, ExpertHostRecord, experts_key
 from peerd.experts.server.backend import ExpertBackend
 from peerd.experts.server.batching import BatchQueue, PendingCall
 from peerd.experts.server.headers import check_header, oversized_payload
 from peerd.experts.server.modules import build_expert
-from peerd.experts.server.shares import CallerGradients
 from peerd.experts.server.stash import ActivationStash
 from peerd.experts.server.workers import Workers
 from peerd.experts.stats import latency_histogram
@@ -72,7 +72,7 @@ class ExpertServer:
         self._workers = Workers(config.threads)
         self.stash = ActivationStash(config.keep_activations_tokens, config.keep_activations_ttl)
         loop = asyncio.get_running_loop()
-        self.gradients = {uid: CallerGradients(config.max_caller_gradient_ratio) for uid in backends}
+        self.gradients = {uid: NormBound(config.max_caller_gradient_ratio) for uid in backends}
         self._queues = {
             (uid, phase): BatchQueue(
                 backend,

@@ -1,0 +1,78 @@
+"""A member hosting experts that answers with noise a thousand times what an expert computes, against a trainer
+that calls it.
+
+A trainer serves ffn.1.0 itself, an honest host serves ffn.1.1, and a third member serves ffn.1.2 and ffn.1.3
+with :class:`tests.integration.loud_expert.LoudExpert`: finite answers of the right shape and dtype, so every
+check of a call's answer passes. Without the bound on answers (``moe.max_answer_ratio: null``) the noise swamps
+every token routed to those experts and the trainer's validation loss stays far above an attack-free run's; with
+it (the default) each of the liar's answers is left out as over the bound, its experts are skipped, and the loss
+follows the attack-free run's. No answer of the honest host is ever left out.
+
+The experts barely learn here (lr 1e-9): a host applies its updates after answering, whenever its compute thread
+gets to them, so with learning experts two attack-free runs differed by more than the 10% band (mean validation
+loss 3.2 against 3.9). With fixed experts they agree to the last digit, and the band measures the liar alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from peerd.launcher import LocalSwarm, wait_for
+from tests.helpers import MOE_CONFIG, REPO, called, experts_option, training, validations
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+STEPS = 30  # validations every 5 steps
+HOST = ["-o", "training.enabled=false", "-o", "swarm.roles=[expert_host]"]
+LIAR = ", module: 'tests.integration.loud_expert:LoudExpert', module_options: {ffn_dim: 64, factor: 1000.0, noise: true}}"
+
+
+def run(log_dir: Path, liar: bool, bounded: bool = True) -> tuple[float, dict[str, dict[str, int]], bool]:
+    """The trainer's mean validation loss over steps 5..STEPS, its forward calls and answers out of bound per
+    expert, and whether it ever skipped the honest host for an answer out of bound."""
+    log_dir.mkdir(parents=True)
+    config = log_dir / "moe.yaml"
+    config.write_text(MOE_CONFIG)
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    def option(count: int, first: int) -> str:
+        return experts_option(count, first).replace("lr: 0.003", "lr: 1.0e-9")
+
+    third = option(2, 2)
+    if liar:
+        third = third[:-1] + LIAR
+    with LocalSwarm(config, log_dir=log_dir, env=env) as swarm:
+        honest = swarm.add_peer([*HOST, "-o", f"experts={option(1, 1)}"], timeout=90)
+        swarm.add_peer([*HOST, "-o", f"experts={third}"], timeout=90)
+        # both experts of every token answer before the layer goes on (not the trainer's own first, then 50 ms
+        # of grace for the others): which answers count does not hang on the machine's load
+        args = ["-o", f"experts={option(1, 0)}", "-o", "training.task.options.moe.k_min=2",
+                "-o", "training.task.options.moe.grace=1.0"]
+        if not bounded:
+            args += ["-o", "training.task.options.moe.max_answer_ratio=null"]
+        trainer = swarm.add_peer(args, timeout=90)
+        wait_for(lambda: (training(trainer)["validation_step"] or 0) >= STEPS, 300, f"step {STEPS}", 0.5)
+        losses = [loss for step, loss in validations(trainer) if step <= STEPS]
+        calls = {f"ffn.1.{i}": {"calls": int(called(trainer, f"ffn.1.{i}").get("forward", {}).get("calls", 0)),
+                                "out_of_bound": int(called(trainer, f"ffn.1.{i}").get("forward", {})
+                                                    .get("out_of_bound", 0))}
+                 for i in range(4)}
+        skipped_honest = f"at {honest.peer_id} answered out of bound" in trainer.log_path.read_text(errors="replace")
+    mean = sum(losses) / len(losses)
+    print(f"liar={liar}, bounded={bounded}: validation losses {[round(x, 3) for x in losses]}, mean {mean:.3f}; "
+          f"forward calls {calls}")
+    return mean, calls, skipped_honest
+
+
+def test_an_expert_host_answering_noise_is_left_out_and_changes_nothing(tmp_path: Path) -> None:
+    free, _, _ = run(tmp_path / "attack-free", liar=False)
+    undefended, _, _ = run(tmp_path / "undefended", liar=True, bounded=False)
+    assert undefended > 1.1 * free, f"without the bound the noise should have held the loss up: {undefended} vs {free}"
+    defended, calls, skipped_honest = run(tmp_path / "defended", liar=True)
+    assert defended <= 1.1 * free, f"with the bound the loss should follow the attack-free run's: {defended} vs {free}"
+    for uid in ("ffn.1.2", "ffn.1.3"):  # each of the liar's answers left out, and its experts skipped
+        assert calls[uid]["out_of_bound"] == calls[uid]["calls"], calls
+        assert calls[uid]["calls"] <= 8, calls  # 2 s skipped, doubling: a few calls in a minute, not one a pass
+    assert calls["ffn.1.1"]["calls"] > 20 and not skipped_honest, calls
