@@ -1,6 +1,7 @@
-"""An expert module for tests: a member hosting experts that answers ``factor`` times what its feed-forward
-network computes (finite, of the right shape and dtype, so every check of a call's answer passes). Its input
-gradients are those of the same scaled function, as a host computing the lie consistently would send them."""
+"""An expert module for tests: a member hosting experts whose answers are finite and of the right shape and dtype,
+so every check of a call's answer passes, but wrong: ``factor`` times what its feed-forward network computes, or
+with ``noise``, ``factor`` times fresh Gaussian noise on every call. Its input gradients are those of the function
+it answers with, as a host computing the lie consistently would send them."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ every token routed to those experts and the trainer's validation loss stays far 
 it (the default) each of the liar's answers is left out as over the bound, its experts are skipped, and the loss
 follows the attack-free run's. No answer of the honest host is ever left out.
 
-The experts barely learn here (lr 1e-9): a host applies its updates after answering, whenever its compute thread
-gets to them, so with learning experts two attack-free runs differed by more than the 10% band (mean validation
-loss 3.2 against 3.9). With fixed experts they agree to the last digit, and the band measures the liar alone.
+The trainer reads one fixed data shard in every run: by default its shard follows from its peer id, a new one each
+run, and two attack-free runs on different shards differed by more than the 10% band (mean validation loss 3.2
+against 3.8 over 30 steps). On one shard they agree within 0.01.
 """
 
 from __future__ import annotations
@@ -37,19 +37,16 @@ def run(log_dir: Path, liar: bool, bounded: bool = True) -> tuple[float, dict[st
     config = log_dir / "moe.yaml"
     config.write_text(MOE_CONFIG)
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    def option(count: int, first: int) -> str:
-        return experts_option(count, first).replace("lr: 0.003", "lr: 1.0e-9")
-
-    third = option(2, 2)
+    third = experts_option(2, 2)
     if liar:
         third = third[:-1] + LIAR
     with LocalSwarm(config, log_dir=log_dir, env=env) as swarm:
-        honest = swarm.add_peer([*HOST, "-o", f"experts={option(1, 1)}"], timeout=90)
+        honest = swarm.add_peer([*HOST, "-o", f"experts={experts_option(1, 1)}"], timeout=90)
         swarm.add_peer([*HOST, "-o", f"experts={third}"], timeout=90)
         # both experts of every token answer before the layer goes on (not the trainer's own first, then 50 ms
         # of grace for the others): which answers count does not hang on the machine's load
-        args = ["-o", f"experts={option(1, 0)}", "-o", "training.task.options.moe.k_min=2",
-                "-o", "training.task.options.moe.grace=1.0"]
+        args = ["-o", f"experts={experts_option(1, 0)}", "-o", "training.task.shard_index=5",
+                "-o", "training.task.options.moe.k_min=2", "-o", "training.task.options.moe.grace=1.0"]
         if not bounded:
             args += ["-o", "training.task.options.moe.max_answer_ratio=null"]
         trainer = swarm.add_peer(args, timeout=90)
@@ -74,5 +71,5 @@ def test_an_expert_host_answering_noise_is_left_out_and_changes_nothing(tmp_path
     assert defended <= 1.1 * free, f"with the bound the loss should follow the attack-free run's: {defended} vs {free}"
     for uid in ("ffn.1.2", "ffn.1.3"):  # each of the liar's answers left out, and its experts skipped
         assert calls[uid]["out_of_bound"] == calls[uid]["calls"], calls
-        assert calls[uid]["calls"] <= 8, calls  # 2 s skipped, doubling: a few calls in a minute, not one a pass
+        assert calls[uid]["calls"] <= 8, calls  # skipped for retry_after (1 s here), doubling: not called every pass
     assert calls["ffn.1.1"]["calls"] > 20 and not skipped_honest, calls
