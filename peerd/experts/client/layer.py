@@ -162,11 +162,10 @@ class RemoteMoE(nn.Module):
         """The factor each answer is multiplied by. What is bounded is an answer's gain: its per-token norm over
         that of what the call sent (inputs, or output gradients), so that neither the tokens nor their gate
         weights, which scale the output gradients, make an honest answer look large. 1 within the bound (and for
-        this peer's own experts). Over
-        it: 0, the answer left out and its expert skipped, once at least ``_JURY`` hosts' answers set the bound;
-        with fewer, the factor that scales it down to the bound, since one of two hosts may be a liar that set
-        it low. Every answer of the pass counts in its host's median first, so the answers of the first pass
-        already bound each other."""
+        this peer's own experts). Over it: 0, the answer left out and its expert skipped, once at least ``_JURY``
+        hosts' answers set the bound; with fewer, the factor that scales it down to the bound, since one of two
+        hosts may be a liar that set it low. Every answer of the pass counts in its host's median first, so the
+        answers of the first pass already bound each other."""
         bound = self._bounds[0 if phase == pb.EXPERT_FORWARD else 1]
         norms = {i: per_token_norm(answer.result) / max(per_token_norm(sent[i]), _TINY) for i, answer in results.items()}
         for i, answer in results.items():
