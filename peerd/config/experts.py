@@ -147,10 +147,11 @@ class MoEConfig(Section):
     )
     max_answer_ratio: float | None = Field(
         default=4.0, ge=1, allow_inf_nan=False,
-        description="A host's answer (forward outputs, and input gradients apart) over this many times the typical "
-        "host's, per token (the lower median over recent hosts of each one's recent answers), is left out like a "
+        description="A host's forward answer whose gain (per-token norm over the inputs') is over this many times "
+        "the typical host's (the lower median over recent hosts of each one's recent answers) is left out like a "
         "failed call and its expert skipped for retry_after seconds, doubling while it goes on; while fewer than 3 "
-        "hosts set the bound, it is scaled down to it instead. No host swamps the tokens routed to it (null: no "
+        "hosts, this peer's own experts not among them, set the bound, it is scaled down to it instead. Input "
+        "gradients over their own bound are scaled down to it. No host swamps the tokens routed to it (null: no "
         "bound).")
     refresh_period: float = Field(default=2.0, gt=0, description="Seconds between reads of the expert records.")
     retry_after: float = Field(

@@ -75,6 +75,11 @@ class NormBound:
         """Peers whose tensors count in the bound."""
         return len(self._medians)
 
+    def heard(self, peer: str) -> bool:
+        """Whether ``peer``'s tensors count in the bound."""
+        with self._lock:
+            return peer in self._medians
+
     def reference(self) -> float | None:
         """The typical peer's per-token norm (None before any peer sent one)."""
         with self._lock:

@@ -1,6 +1,7 @@
 """What a MoE layer does with a host's answer over the bound (peerd/experts/client/layer.py, peerd/experts/bounds.py,
-peerd/experts/client/directory.py): left out and its expert skipped once three hosts set the bound, scaled down
-with fewer, never for this peer's own experts, and measured as a gain, not a size."""
+peerd/experts/client/directory.py): left out and its expert skipped once three hosts set the bound or this peer's
+own experts are among them, scaled down otherwise (input gradients: always scaled down), never for this peer's own
+experts, and measured as a gain, not a size."""
 
 from __future__ import annotations
 
@@ -66,14 +67,35 @@ def test_an_answer_a_thousand_times_the_typical_gain_is_left_out_once_three_host
     assert len(client.judged) == 1 and client.judged[0][0] == "x.2" and "gain 1e+03" in str(client.judged[0][1])
 
 
-def test_with_two_hosts_an_answer_over_the_bound_is_scaled_down_not_left_out() -> None:
+def test_with_two_other_hosts_an_answer_over_the_bound_is_scaled_down_not_left_out() -> None:
     layer, client = _layer()
     sent = torch.randn(TOKENS, HIDDEN)
-    results, inputs, plan = _answers({ME: 1.0, LIAR: 1000.0}, sent)
+    results, inputs, plan = _answers({HONEST: 1.0, LIAR: 1000.0}, sent)
     factors = layer._bound(results, inputs, plan, pb.EXPERT_FORWARD)
     # the lower median of two is the smaller host's: 4 times its gain
     assert factors[0] == 1.0 and factors[1] == pytest.approx(4.0 / 1000.0)
     assert client.judged == [("x.1", None)]  # one of two may be the liar that set the bound: nobody is skipped
+
+
+def test_beside_this_peers_own_experts_one_other_host_over_the_bound_is_left_out() -> None:
+    layer, client = _layer()
+    sent = torch.randn(TOKENS, HIDDEN)
+    results, inputs, plan = _answers({ME: 1.0, LIAR: 1000.0}, sent)
+    assert layer._bound(results, inputs, plan, pb.EXPERT_FORWARD) == {0: 1.0, 1: 0.0}
+    assert client.judged[0][0] == "x.1" and client.judged[0][1] is not None
+    # and a liar answering tiny gains beside them sets the bound low, but there is nobody else to leave out
+    layer, client = _layer()
+    results, inputs, plan = _answers({ME: 1.0, LIAR: 1e-3}, sent)
+    assert layer._bound(results, inputs, plan, pb.EXPERT_FORWARD) == {0: 1.0, 1: 1.0} and client.judged == []
+
+
+def test_input_gradients_over_the_bound_are_scaled_down_never_left_out() -> None:
+    layer, client = _layer()
+    sent = torch.randn(TOKENS, HIDDEN)
+    results, grads, plan = _answers({ME: 1.0, HONEST: 1.0, LIAR: 1000.0}, sent)
+    factors = layer._bound(results, grads, plan, pb.EXPERT_BACKWARD)
+    assert factors[0] == factors[1] == 1.0 and factors[2] == pytest.approx(4.0 / 1000.0)
+    assert client.judged == [("x.2", None)]  # honest experts' gradients vary more: nobody is skipped for them
 
 
 def test_this_peers_own_answers_are_never_bounded_but_count() -> None:

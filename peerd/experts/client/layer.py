@@ -11,9 +11,10 @@ see :mod:`peerd.experts.server.stash`); the host returns input gradients and upd
 Fallback: a token no expert answered for (or every expert dead) gets a **zero** output, so in a residual
 block it passes through unchanged; its router gets no gradient from it in that pass.
 
-Answers are bounded (:mod:`peerd.experts.bounds`), forward outputs and input gradients apart: an answer over
-``max_answer_ratio`` times the typical host's, per token, is left out like a failed call and its expert is
-skipped for a while, or, while fewer than three hosts set the bound, scaled down to it. A forward answer scaled
+Answers are bounded (:mod:`peerd.experts.bounds`), forward outputs and input gradients apart: a forward answer
+over ``max_answer_ratio`` times the typical host's, per token, is left out like a failed call and its expert is
+skipped for a while, or, while fewer than three hosts set the bound and this peer's own experts are not among
+them, scaled down to it; input gradients over it are scaled down to it. A forward answer scaled
 by ``f`` is a function scaled by ``f``, so its backward call carries the output gradients times ``f``.
 
 The module's only parameters are the router's: the experts' parameters live on their hosts. It must run on a
@@ -51,8 +52,8 @@ _WARN_EVERY = 30.0  # seconds between warnings that a layer has no expert to cal
 
 logger = logging.getLogger(__name__)
 _FIRST_REFRESH_TIMEOUT = 15.0
-# Hosts whose answers set the bound before an answer over it is left out (below: scaled down): the lower median
-# of three hosts' is never one liar's.
+# Hosts whose answers set the bound before an answer over it is left out (below, unless this peer's own experts
+# are among them: scaled down): the lower median of three hosts' is never one liar's.
 _JURY = 3
 _TINY = 1e-12  # what a call that sent zeros is measured against
 
@@ -162,10 +163,13 @@ class RemoteMoE(nn.Module):
         """The factor each answer is multiplied by. What is bounded is an answer's gain: its per-token norm over
         that of what the call sent (inputs, or output gradients), so that neither the tokens nor their gate
         weights, which scale the output gradients, make an honest answer look large. 1 within the bound (and for
-        this peer's own experts). Over it: 0, the answer left out and its expert skipped, once at least ``_JURY``
-        hosts' answers set the bound; with fewer, the factor that scales it down to the bound, since one of two
-        hosts may be a liar that set it low. Every answer of the pass counts in its host's median first, so the
-        answers of the first pass already bound each other."""
+        this peer's own experts). A forward answer over it: 0, the answer left out and its expert skipped, once
+        at least ``_JURY`` hosts' answers set the bound, or this peer's own experts' are among them (the one
+        other host, if it set the bound low, is the only one it can be over); with fewer, the factor that scales
+        it down to the bound, since either of two other hosts may be a liar that set it low. Input gradients
+        over it are always scaled down: they vary more between honest experts than outputs do (an honest one
+        reached 4.2 times the typical host's). Every answer of the pass counts in its host's median first, so
+        the answers of the first pass already bound each other."""
         bound = self._bounds[0 if phase == pb.EXPERT_FORWARD else 1]
         norms = {i: per_token_norm(answer.result) / max(per_token_norm(sent[i]), _TINY) for i, answer in results.items()}
         for i, answer in results.items():
@@ -178,7 +182,7 @@ class RemoteMoE(nn.Module):
                 self.client.within_bound(uid)
                 continue
             why = None
-            if bound.voters >= _JURY:
+            if phase == pb.EXPERT_FORWARD and (bound.voters >= _JURY or bound.heard(me)):
                 why = f"gain {norms[i]:.3g}, over {bound.ratio}x the typical host's {bound.reference():.3g}"
                 factors[i] = 0.0
             self.client.out_of_bound(uid, phase, answer.host, why)
