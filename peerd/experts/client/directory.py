@@ -135,8 +135,7 @@ class ExpertDirectory:
         return reasons
 
     def failed(self, uid: str, seen: SeenExpert, reason: str) -> None:
-        previous = self.backoff.get(uid)
-        delay = self._retry_after if previous is None else min(MAX_BACKOFF, previous.delay * 2)
+        delay = self._next_delay(self.backoff.get(uid))
         self.backoff[uid] = Backoff(time.monotonic() + delay, delay, seen.record.started_at)
         logger.info("Expert %s at %s failed (%s); skipping it for %.1fs", uid, seen.record.peer_id, reason[:200], delay)
 
@@ -147,13 +146,16 @@ class ExpertDirectory:
         """An answer of ``uid`` by ``peer_id`` was out of bound: skip it for ``retry_after`` seconds, doubling per
         answer left out in a row up to :data:`MAX_BACKOFF`."""
         previous = self.distrust.get(uid)
-        same = previous is not None and previous.peer_id == peer_id
-        delay = min(MAX_BACKOFF, previous.delay * 2) if previous is not None and same else self._retry_after
+        delay = self._next_delay(previous if previous is not None and previous.peer_id == peer_id else None)
         self.distrust[uid] = Distrust(time.monotonic() + delay, delay, peer_id)
         logger.info("Expert %s at %s answered out of bound (%s); skipping it for %.1fs", uid, peer_id, reason, delay)
 
     def within_bound(self, uid: str) -> None:
         self.distrust.pop(uid, None)
+
+    def _next_delay(self, previous: Backoff | Distrust | None) -> float:
+        """``retry_after`` after a first strike, then twice the previous delay, up to :data:`MAX_BACKOFF`."""
+        return self._retry_after if previous is None else min(MAX_BACKOFF, previous.delay * 2)
 
     def backing_off_for(self, uid: str) -> float:
         """Seconds ``uid`` is still skipped for, after failures or answers out of bound."""
