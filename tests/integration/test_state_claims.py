@@ -64,13 +64,19 @@ def start(swarm: LocalSwarm, honest_module: str, attack: str | None, claim_file:
     for i, shard in enumerate(HONEST):
         honest.append(spawn(swarm, f"honest{shard}", honest_module, shard, *extra))
         if i == 0:
-            honest[0].wait_ready(60)
+            honest[0].wait_ready(READY_TIMEOUT)
     if attack is not None:
         spawn(swarm, "attacker", "tests.integration.state_attacker", 0, *extra,
               env={"PEERD_ATTACK_STATE": attack, "PEERD_ATTACK_CLAIM_FILE": str(claim_file)})
     for peer in swarm.peers:
-        peer.wait_ready(60)
+        peer.wait_ready(READY_TIMEOUT)
     return honest
+
+
+# A peer is ready once its trainer has started: with training.wait_for_peers, after the others are up too (five
+# peers starting at once), and for an undefended peer after it loaded the attacker's state. Near the end of a CI
+# run with three test processes, one took over 60 s.
+READY_TIMEOUT = 150.0
 
 
 def finished(honest: list[PeerProcess]) -> list[dict[str, Any]] | None:
