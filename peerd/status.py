@@ -111,6 +111,8 @@ async def status_document(peer: Running) -> dict[str, Any]:
         # stretch with it
         "dht_request_seconds": round(peer.swarm.latency.median(), 4),
         "records_dropped": await peer.swarm.dropped_records(),
+        # DHT requests cut short by the wait bound (a peer answering far slower than the typical one)
+        "dht_requests_cut": await peer.swarm.cut_requests(),
         "training": peer.trainer.report.as_dict() if peer.trainer is not None else None,
         "experts": experts_section(peer),
         "membership": peer.guard.status() if peer.guard is not None else {"mode": peer.membership.describe()},

@@ -124,6 +124,18 @@ class SwarmConfig(Section):
     )
     startup_timeout: float = Field(default=30.0, gt=0, description="Seconds for p2pd and the DHT to start.")
     request_timeout: float = Field(default=5.0, gt=0, description="Seconds for one DHT lookup or store.")
+    dht_wait_ratio: float | None = Field(
+        default=8.0, gt=1,
+        description="Times the typical peer's answer time that one DHT request waits for a peer (at least "
+        "dht_wait_floor, at most request_timeout). A lookup waits for every node it asks, so a peer that answers "
+        "just under request_timeout would make each lookup as slow as it may be; one cut short is skipped by "
+        "hivemind for 5 s, doubling while it stays slow. null: every request waits request_timeout.",
+    )
+    dht_wait_floor: float = Field(
+        default=1.0, gt=0,
+        description="Seconds a DHT request always may wait, however fast the typical peer answers: room for "
+        "a first dial or a busy moment of an honest peer.",
+    )
     dht_host: Literal["auto", "daemon", "child"] = Field(
         default="auto",
         description="Where hivemind's DHT node runs. daemon: on the daemon's event loop (one process fewer, and "

@@ -22,13 +22,11 @@ size, not direction: a tensor of typical size pointing anywhere passes.
 from __future__ import annotations
 
 import math
-import statistics
 import threading
-from collections import OrderedDict, deque
 
 import torch
 
-from peerd.bounded import remember
+from peerd.bounded import PeerMedians
 
 __all__ = ["NormBound", "per_token_norm"]
 
@@ -46,8 +44,7 @@ class NormBound:
         """``ratio``: how many times the typical peer's per-token norm one tensor may reach (None: no bound)."""
         self.ratio = ratio
         self.scaled = 0  # tensors scaled down
-        self._norms: OrderedDict[str, deque[float]] = OrderedDict()
-        self._medians: dict[str, float] = {}  # of each peer's kept norms, updated when they change
+        self._medians = PeerMedians(CALLS_KEPT, PEERS_KEPT)
         self._lock = threading.Lock()  # a host's compute threads serve several experts' queues at once
 
     def bound(self, peer: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -55,20 +52,20 @@ class NormBound:
         (itself otherwise). Its norm, as sent, counts in ``peer``'s median from now on."""
         norm = per_token_norm(tensor)
         with self._lock:
-            reference = self._reference()
-            self._observe(peer, norm)
+            reference = self._medians.typical()
+            self._medians.observe(peer, norm)
             factor = self._factor(norm, reference)
         return tensor if factor == 1.0 else tensor * factor
 
     def observe(self, peer: str, norm: float) -> None:
-        """Counts a per-token norm ``peer`` sent in its median."""
-        with self._lock:
-            self._observe(peer, norm)
+        """Counts a per-token norm ``peer`` sent in its median (a zero tensor teaches nothing: it never sets the
+        reference)."""
+        self._medians.observe(peer, norm)
 
     def factor(self, norm: float) -> float:
         """What a tensor of per-token norm ``norm`` is multiplied by under the bound as it stands (1: kept)."""
         with self._lock:
-            return self._factor(norm, self._reference())
+            return self._factor(norm, self._medians.typical())
 
     @property
     def voters(self) -> int:
@@ -77,29 +74,14 @@ class NormBound:
 
     def heard(self, peer: str) -> bool:
         """Whether ``peer``'s tensors count in the bound."""
-        with self._lock:
-            return peer in self._medians
+        return peer in self._medians
 
     def reference(self) -> float | None:
         """The typical peer's per-token norm (None before any peer sent one)."""
-        with self._lock:
-            return self._reference()
-
-    def _observe(self, peer: str, norm: float) -> None:
-        if not (norm > 0 and math.isfinite(norm)):  # a zero tensor teaches nothing: it never sets the reference
-            return
-        kept = self._norms.pop(peer, None) or deque(maxlen=CALLS_KEPT)
-        kept.append(norm)
-        self._medians[peer] = statistics.median(kept)
-        for forgotten, _ in remember(self._norms, peer, kept, PEERS_KEPT):
-            self._medians.pop(forgotten, None)
+        return self._medians.typical()
 
     def _factor(self, norm: float, reference: float | None) -> float:
         if self.ratio is None or reference is None or norm <= self.ratio * reference:
             return 1.0
         self.scaled += 1
         return self.ratio * reference / norm
-
-    def _reference(self) -> float | None:
-        medians = sorted(self._medians.values())
-        return medians[(len(medians) - 1) // 2] if medians else None

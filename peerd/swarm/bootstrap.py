@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.reach import p2pd_options
 from peerd.swarm.signing import RecordLifetimes
+from peerd.swarm.stragglers import bound_waits
 from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
 
@@ -92,7 +94,9 @@ async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bo
         kwargs["announce_maddrs"] = list(config.announce_maddrs)
     validators = [SignedRecordValidator(membership, lifetimes)]
     if in_process:
-        return await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
+        node = await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
+        await node.run_coroutine(partial(bound_waits, config.dht_wait_ratio, config.dht_wait_floor))
+        return node
     # here, not at the top: hivemind's DHT class imports torch, which a light peer never loads
     from peerd.swarm.process import IsolatedDHT
 
@@ -101,6 +105,7 @@ async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bo
     dht.run_in_background(await_ready=False)
     try:  # blocking the loop is fine here: nothing else runs on it before the swarm is up
         dht.wait_until_ready(timeout=config.startup_timeout)
+        dht.run_coroutine(partial(bound_waits, config.dht_wait_ratio, config.dht_wait_floor))
     except BaseException:
         dht.shutdown()
         raise

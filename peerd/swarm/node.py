@@ -31,6 +31,7 @@ from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.reach import Reachability, free_loopback_port
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
+from peerd.swarm.stragglers import cut_requests
 from peerd.swarm.validator import node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
@@ -201,6 +202,15 @@ class SwarmNode:
         for reason, count in child.items():
             counts[reason] = counts.get(reason, 0) + count
         return counts
+
+    async def cut_requests(self) -> int:
+        """DHT requests this node stopped waiting for before request_timeout (``stragglers.py``)."""
+        try:
+            future = self.dht.run_coroutine(cut_requests, return_future=True)
+            return int(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
+        except (TimeoutError, OSError, RuntimeError) as e:
+            logger.debug("Could not read the DHT node's cut requests: %r", e)
+            return 0
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
         return {subkey: value for subkey, (value, _) in (await self.read_entries(key)).items()}

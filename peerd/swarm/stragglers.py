@@ -1,0 +1,124 @@
+"""How long this DHT node waits for one peer's answer: a bound set by how fast the other peers answer.
+
+A lookup asks up to ``swarm.lookup_beam`` nodes, and peerd reads every key for its latest value, so a lookup
+ends only when every node it asked has answered or timed out. hivemind gives each request one fixed timeout,
+the whole lookup's (``swarm.request_timeout``): a peer that answers just under it makes every lookup that asks
+it last as long as the lookup may, or longer (the next hop starts late), and never counts as failing. One such
+peer, member or stranger, turned each of its neighbours' reads into a timeout.
+
+Here a request waits at most ``swarm.dht_wait_ratio`` times the typical peer's answer time, and at least
+``swarm.dht_wait_floor`` seconds (never more than ``swarm.request_timeout``). The typical time is a
+:class:`~peerd.bounded.PeerMedians` over the answers this node got: a peer has one vote however often it is
+asked, so a slow one does not raise the bound it is held to. A request cut by the bound is a failure to
+hivemind, whose blacklist then skips that peer for 5 s, doubling while it stays slow; an honest peer that was
+slow once is asked again after 5 s and forgiven by its next answer in time.
+
+hivemind builds the node's ``DHTProtocol`` itself, with no way to pass another class; :func:`bound_waits`
+switches the running protocol's class to one that times its answers, where the node runs (``run_coroutine``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from hivemind.dht.node import Blacklist, DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.p2p import PeerID
+
+from peerd.bounded import PeerMedians
+
+__all__ = ["WaitBound", "bound_waits", "cut_requests"]
+
+QUICK = 0.1  # seconds: an answer this fast is never too slow, however fast the typical peer answers
+
+
+class WaitBound:
+    """The typical peer's answer time, the wait it sets, and which answers came too late to count."""
+
+    def __init__(self, ratio: float | None, floor: float, ceiling: float) -> None:
+        """``ratio``: times the typical answer time a request may wait, and an answer may take (None: always
+        ``ceiling``, and every answer counts)."""
+        self.ratio = ratio
+        self.floor = min(floor, ceiling)
+        self.ceiling = ceiling
+        self.cut = 0  # requests cut short under the ceiling, and answers that came too late
+        self._answers = PeerMedians()
+
+    def wait(self) -> float:
+        """How long the next request may wait for its answer."""
+        typical = self._answers.typical()
+        if self.ratio is None or typical is None:
+            return self.ceiling
+        return min(self.ceiling, max(self.floor, self.ratio * typical))
+
+    def answered(self, peer: str, seconds: float, wait: float, ok: bool) -> bool:
+        """A request to ``peer`` that could wait ``wait`` ended after ``seconds``, answered (``ok``) or not;
+        whether its answer counts. One that came after ``ratio`` times the typical peer's answer time, from a
+        peer whose median answer time is as slow, does not: that peer answers slowly, not once."""
+        if not ok:
+            if seconds >= wait and wait < self.ceiling:
+                self.cut += 1
+            return False
+        typical = self._answers.typical()
+        self._answers.observe(peer, seconds)
+        if self.ratio is None or typical is None:
+            return True
+        late = max(QUICK, self.ratio * typical)
+        if seconds > late and (self._answers.median(peer) or 0.0) > late:
+            self.cut += 1
+            return False
+        return True
+
+
+class _BoundedProtocol(DHTProtocol):  # type: ignore[misc]  # hivemind ships no type information
+    """hivemind's protocol, waiting as the bound says; ``bound`` and ``blacklist`` (the node's) are set when the
+    class is switched."""
+
+    bound: WaitBound
+    blacklist: Blacklist
+
+    @property
+    def wait_timeout(self) -> float:
+        return self.bound.wait()
+
+    @wait_timeout.setter
+    def wait_timeout(self, seconds: float) -> None:
+        """hivemind's constructor sets its fixed timeout; the bound's ceiling already holds it."""
+
+    async def call_find(self, peer: PeerID, keys: Collection[Any]) -> Any:
+        wait, started = self.bound.wait(), time.monotonic()
+        found = await super().call_find(peer, keys)
+        return found if self._counts(peer, started, wait, found is not None) else None
+
+    async def call_store(self, peer: PeerID, keys: Sequence[Any], *args: Any, **kwargs: Any) -> Any:
+        if peer in self.blacklist:  # hivemind skips a blacklisted peer in lookups, not in stores
+            return None
+        wait, started = self.bound.wait(), time.monotonic()
+        stored = await super().call_store(peer, keys, *args, **kwargs)
+        return stored if self._counts(peer, started, wait, stored is not None) else None
+
+    def _counts(self, peer: PeerID, started: float, wait: float, ok: bool) -> bool:
+        if self.bound.answered(str(peer), time.monotonic() - started, wait, ok):
+            return True
+        self.blacklist.register_failure(peer)  # skipped for 5 s, doubling while it stays slow
+        return False
+
+
+async def bound_waits(ratio: float | None, floor: float, _dht: object, node: DHTNode) -> None:
+    """Run where the DHT node runs (``run_coroutine``): its requests wait as a :class:`WaitBound` says (with
+    ``ratio`` None, as hivemind has them: ``request_timeout`` each)."""
+    if ratio is None:
+        return
+    protocol = node.protocol
+    bound = WaitBound(ratio, floor, float(protocol.__dict__.get("wait_timeout", floor)))
+    protocol.__class__ = _BoundedProtocol
+    protocol.bound = bound
+    protocol.blacklist = node.blacklist
+
+
+async def cut_requests(_dht: object, node: DHTNode) -> int:
+    """Run where the DHT node runs: the requests its bound cut short, and the answers that came too late."""
+    bound = getattr(node.protocol, "bound", None)
+    return bound.cut if isinstance(bound, WaitBound) else 0

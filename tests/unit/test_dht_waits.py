@@ -1,0 +1,62 @@
+"""The DHT wait bound (peerd/swarm/stragglers.py): how long a request waits, and which late answers count."""
+
+from __future__ import annotations
+
+from peerd.swarm.stragglers import WaitBound
+
+
+def test_before_any_answer_a_request_waits_the_ceiling_and_off_it_always_does() -> None:
+    assert WaitBound(8.0, 1.0, 5.0).wait() == 5.0
+    off = WaitBound(None, 1.0, 5.0)
+    for peer in "abc":
+        assert off.answered(peer, 0.01, 5.0, ok=True)
+    assert off.answered("slow", 4.9, 5.0, ok=True) and off.wait() == 5.0
+
+
+def test_the_wait_follows_the_typical_peer_within_floor_and_ceiling() -> None:
+    bound = WaitBound(8.0, 1.0, 5.0)
+    for peer in "abc":
+        bound.answered(peer, 0.01, 5.0, ok=True)
+    assert bound.wait() == 1.0  # 8 x 10 ms is under the floor
+    for peer in "abc":
+        for _ in range(16):
+            bound.answered(peer, 0.3, 5.0, ok=True)
+    assert abs(bound.wait() - 2.4) < 1e-9
+    for peer in "abc":
+        for _ in range(16):
+            bound.answered(peer, 2.0, 5.0, ok=True)
+    assert bound.wait() == 5.0
+
+
+def test_one_slow_peer_does_not_raise_the_bound_it_is_held_to() -> None:
+    bound = WaitBound(8.0, 1.0, 5.0)
+    for peer in "ab":
+        bound.answered(peer, 0.01, 5.0, ok=True)
+    for _ in range(100):
+        bound.answered("slow", 4.5, 5.0, ok=True)
+    assert bound.wait() == 1.0
+
+
+def test_late_answers_of_a_peer_slow_as_a_rule_do_not_count_and_an_honest_slow_moment_does() -> None:
+    bound = WaitBound(8.0, 1.0, 5.0)
+    for peer in "abc":
+        for _ in range(4):
+            assert bound.answered(peer, 0.01, 5.0, ok=True)
+    # an honest peer with one slow answer among fast ones: its median stays low, every answer counts
+    assert bound.answered("a", 0.9, 1.0, ok=True)
+    assert bound.answered("a", 0.01, 1.0, ok=True)
+    # a peer answering just under the wait every time: late (over 8 x 10 ms and 0.1 s) and slow as a rule (a new
+    # peer's rule is its first answer)
+    assert not bound.answered("slow", 0.9, 1.0, ok=True)
+    assert not bound.answered("slow", 0.9, 1.0, ok=True)
+    assert bound.cut == 2
+    # once it answers in time again, it counts again
+    assert bound.answered("slow", 0.01, 1.0, ok=True)
+
+
+def test_a_request_cut_by_the_bound_is_counted_and_a_failure_at_the_ceiling_is_not() -> None:
+    bound = WaitBound(8.0, 1.0, 5.0)
+    assert not bound.answered("x", 1.0, 1.0, ok=False)
+    assert not bound.answered("y", 5.0, 5.0, ok=False)  # hivemind's own timeout, as without the bound
+    assert not bound.answered("z", 0.01, 1.0, ok=False)  # a refused stream: no answer, nothing cut
+    assert bound.cut == 1
