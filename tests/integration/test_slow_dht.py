@@ -44,8 +44,8 @@ def time_rounds(peer: PeerProcess, count: int, timeout: float) -> float | None:
 
 def run(log_dir: Path, defended: bool, delay: float = 4.5) -> tuple[float, float | None, float, int]:
     """Two members train; once they averaged, the slow member joins. Returns the seconds the second member took
-    for ROUNDS rounds before it joined and after (None: not within 3x as long plus 30 s), the second member's
-    median DHT request time after, and the requests it cut short."""
+    for ROUNDS rounds before it joined and after (None: not within 3x as long plus 30 s defended, 2x plus 10 s
+    undefended), the second member's median DHT request time after, and the requests it cut short."""
     log_dir.mkdir(parents=True, exist_ok=True)
     args = [] if defended else ["-o", "swarm.dht_wait_ratio=null"]
     with LocalSwarm(SYNTHETIC, log_dir=log_dir, extra_args=args) as swarm:
@@ -64,7 +64,8 @@ def run(log_dir: Path, defended: bool, delay: float = 4.5) -> tuple[float, float
         # its record reached the member through a lookup: the member's DHT knows it, and asks it from now on
         wait_for(lambda: any(p["peer_id"] == slow_id for p in member.status(timeout=30)["peers"]), 60,
                  "the member to see the slow member", 0.5)
-        attacked = time_rounds(member, ROUNDS, 3 * baseline + 30)
+        # undefended, twice as long as before tells the damage: waiting longer only makes the test slower
+        attacked = time_rounds(member, ROUNDS, 3 * baseline + 30 if defended else 2 * baseline + 10)
         status = member.status(timeout=30)
         print(f"defended={defended}, answers after {delay} s: {ROUNDS} rounds took {baseline:.1f} s before the slow member, {attacked} s "
               f"after; DHT request median {status['dht_request_seconds']} s, requests cut {status['dht_requests_cut']}")
@@ -79,5 +80,5 @@ def test_a_member_answering_the_dht_slowly_slows_no_round_for_long(tmp_path: Pat
         assert attacked is not None and attacked <= 1.5 * baseline + 5, (delay, baseline, attacked)
         assert cut > 0
     baseline, attacked, latency, cut = run(tmp_path / "undefended", defended=False)
-    assert attacked is None or attacked > 2 * baseline + 5, (baseline, attacked)
+    assert attacked is None, (baseline, attacked)
     assert cut == 0 and latency > 1.0
