@@ -63,6 +63,11 @@ class PeerMedians:
         with self._lock:
             return self._medians.get(peer)
 
+    def count(self, peer: str) -> int:
+        """How many of ``peer``'s values are kept."""
+        with self._lock:
+            return len(self._values.get(peer, ()))
+
     def __len__(self) -> int:
         """Peers whose values count."""
         with self._lock:

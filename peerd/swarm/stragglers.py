@@ -32,6 +32,7 @@ from peerd.bounded import PeerMedians
 __all__ = ["WaitBound", "bound_waits", "cut_requests"]
 
 QUICK = 0.1  # seconds: an answer this fast is never too slow, however fast the typical peer answers
+RULE = 3  # answers of a peer before its median is its rule: a first answer may have waited for a dial
 
 
 class WaitBound:
@@ -66,7 +67,7 @@ class WaitBound:
         if self.ratio is None or typical is None:
             return True
         late = max(QUICK, self.ratio * typical)
-        if seconds > late and (self._answers.median(peer) or 0.0) > late:
+        if seconds > late and self._answers.count(peer) >= RULE and (self._answers.median(peer) or 0.0) > late:
             self.cut += 1
             return False
         return True

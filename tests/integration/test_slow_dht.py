@@ -79,6 +79,6 @@ def test_a_member_answering_the_dht_slowly_slows_no_round_for_long(tmp_path: Pat
         baseline, attacked, _, cut = run(tmp_path / f"defended-{delay}", defended=True, delay=delay)
         assert attacked is not None and attacked <= 1.5 * baseline + 5, (delay, baseline, attacked)
         assert cut > 0
-    baseline, attacked, latency, cut = run(tmp_path / "undefended", defended=False)
+    baseline, attacked, _, cut = run(tmp_path / "undefended", defended=False)
     assert attacked is None, (baseline, attacked)
-    assert cut == 0 and latency > 1.0
+    assert cut == 0
