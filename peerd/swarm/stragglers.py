@@ -3,15 +3,17 @@
 A lookup asks up to ``swarm.lookup_beam`` nodes, and peerd reads every key for its latest value, so a lookup
 ends only when every node it asked has answered or timed out. hivemind gives each request one fixed timeout,
 the whole lookup's (``swarm.request_timeout``): a peer that answers just under it makes every lookup that asks
-it last as long as the lookup may, or longer (the next hop starts late), and never counts as failing. One such
-peer, member or stranger, turned each of its neighbours' reads into a timeout.
+it last about as long as a lookup may, and never counts as failing.
 
 Here a request waits at most ``swarm.dht_wait_ratio`` times the typical peer's answer time, and at least
 ``swarm.dht_wait_floor`` seconds (never more than ``swarm.request_timeout``). The typical time is a
 :class:`~peerd.bounded.PeerMedians` over the answers this node got: a peer has one vote however often it is
-asked, so a slow one does not raise the bound it is held to. A request cut by the bound is a failure to
-hivemind, whose blacklist then skips that peer for 5 s, doubling while it stays slow; an honest peer that was
-slow once is asked again after 5 s and forgiven by its next answer in time.
+asked, so a slow one does not raise the bound it is held to. An answer that does come in time but later than
+``dht_wait_ratio`` times the typical (and 0.1 s), from a peer whose median answer is as late, does not count
+either: a peer answering just under the floor is slow as a rule, not once. Either is a failure to hivemind, whose
+blacklist then skips that peer in lookups for 5 s, doubling while it stays slow (and stores, which hivemind sends
+to blacklisted peers too, skip it here); an honest peer that was slow for a moment is asked again after 5 s and
+forgiven by its next answer in time.
 
 hivemind builds the node's ``DHTProtocol`` itself, with no way to pass another class; :func:`bound_waits`
 switches the running protocol's class to one that times its answers, where the node runs (``run_coroutine``).
