@@ -80,6 +80,8 @@ class StatusCollector(Collector):
         dropped = CounterMetricFamily("peerd_records_dropped", "DHT records refused (forged, foreign or "
                                       "malformed), by reason.", labels=["reason"])
         yield by_label(dropped, mapping(status, "records_dropped"))
+        yield counter("peerd_dht_requests_cut", "DHT requests cut short by the wait bound, or answered too late to "
+                      "count (swarm.dht_wait_ratio).", number(status, "dht_requests_cut"))
         yield from self._membership(mapping(status, "membership"))
         yield from self._reachability(mapping(status, "reachability"))
 

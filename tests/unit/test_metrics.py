@@ -60,8 +60,9 @@ def parse(text: bytes) -> tuple[dict[str, Any], dict[tuple[str, tuple[tuple[str,
 
 
 def test_metrics_parse_carry_the_prefix_and_reflect_the_snapshot() -> None:
-    families, samples = parse(DaemonMetrics().render(fake_status(fake_training())))
+    families, samples = parse(DaemonMetrics().render(fake_status(fake_training(), dht_requests_cut=3)))
     assert families and all(name.startswith("peerd_") for name in families)
+    assert samples[("peerd_dht_requests_cut_total", ())] == 3
     assert samples[("peerd_training_step", ())] == 7
     assert samples[("peerd_training_loss", ())] == 0.5
     assert samples[("peerd_training_validation_loss", ())] == 0.4
