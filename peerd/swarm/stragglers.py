@@ -82,6 +82,12 @@ class _BoundedProtocol(DHTProtocol):  # type: ignore[misc]  # hivemind ships no 
     bound: WaitBound
     blacklist: Blacklist
 
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        """hivemind names a protocol's handlers after its class: this one's are still DHTProtocol's, which the
+        node registered before the switch and other peers call (and removes at shutdown)."""
+        return str(DHTProtocol._get_handle_name(namespace, method_name))
+
     @property
     def wait_timeout(self) -> float:
         return self.bound.wait()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from peerd.swarm.stragglers import WaitBound
+import asyncio
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils.timed_storage import get_dht_time
+
+from peerd.swarm.stragglers import WaitBound, bound_waits
 
 
 def test_before_any_answer_a_request_waits_the_ceiling_and_off_it_always_does() -> None:
@@ -62,3 +67,24 @@ def test_a_request_cut_by_the_bound_is_counted_and_a_failure_at_the_ceiling_is_n
     assert not bound.answered("y", 5.0, 5.0, ok=False)  # hivemind's own timeout, as without the bound
     assert not bound.answered("z", 0.01, 1.0, ok=False)  # a refused stream: no answer, nothing cut
     assert bound.cut == 1
+
+
+def test_a_bounded_node_still_answers_others_finds_them_and_shuts_down_cleanly() -> None:
+    """hivemind names a protocol's handlers after its class: the switched class keeps DHTProtocol's names, or
+    other peers could not call it and its shutdown would fail removing handlers it never registered."""
+
+    async def scenario() -> None:
+        first = await DHTNode.create(wait_timeout=5)
+        second = await DHTNode.create(initial_peers=await first.get_visible_maddrs(), wait_timeout=5)
+        try:
+            for node in (first, second):
+                await bound_waits(8.0, 1.0, None, node)
+            assert await first.store("key", b"value", get_dht_time() + 60, subkey="one")
+            found = await second.get("key", latest=True)
+            assert found is not None and found.value["one"].value == b"value"
+            assert second.protocol.wait_timeout == 1.0  # the first answers set the bound: 8 x a few ms
+        finally:
+            await second.shutdown()
+            await first.shutdown()  # raised P2PDaemonError before the handlers kept their names
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
