@@ -6,6 +6,7 @@ Test modules import from here, never from each other or from conftest.py (which 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peerd.launcher import PeerProcess
+from peerd.launcher import PeerProcess, wait_for
 from peerd.training.state import TrainingState
 
 if TYPE_CHECKING:
@@ -52,6 +53,21 @@ def training(peer: PeerProcess, timeout: float = 30.0) -> dict[str, Any]:
 
 def all_reached(peers: Sequence[PeerProcess], key: str, value: int) -> bool:
     return all(training(p)[key] >= value for p in peers)
+
+
+def rounds(peer: PeerProcess) -> int:
+    """The rounds the peer averaged."""
+    return int(training(peer)["rounds_ok"])
+
+
+def time_rounds(peer: PeerProcess, count: int, timeout: float) -> float | None:
+    """Seconds until ``peer`` averaged ``count`` more rounds, or None if it did not within ``timeout``."""
+    start, started = rounds(peer), time.monotonic()
+    try:
+        wait_for(lambda: rounds(peer) >= start + count, timeout, f"{count} rounds", 0.5)
+    except TimeoutError:
+        return None
+    return time.monotonic() - started
 
 
 def validations(peer: PeerProcess, timeout: float = 5.0) -> list[tuple[int, float]]:

@@ -13,33 +13,18 @@ the members average at close to their rate before it came, also when it answers 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import REPO
+from tests.helpers import REPO, rounds, time_rounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 SYNTHETIC = REPO / "configs" / "synthetic.yaml"
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 ROUNDS = 20
-
-
-def rounds(peer: PeerProcess) -> int:
-    return int(peer.status(timeout=30)["training"]["rounds_ok"])
-
-
-def time_rounds(peer: PeerProcess, count: int, timeout: float) -> float | None:
-    """Seconds until ``peer`` averaged ``count`` more rounds, or None if it did not within ``timeout``."""
-    start, started = rounds(peer), time.monotonic()
-    try:
-        wait_for(lambda: rounds(peer) >= start + count, timeout, f"{count} rounds", 0.5)
-    except TimeoutError:
-        return None
-    return time.monotonic() - started
 
 
 def run(log_dir: Path, defended: bool, delay: float = 4.5) -> tuple[float, float | None, float, int]:

@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import pytest
 from peerd.averaging.allreduce import HANDLER_NAME
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
 from peerd.wire.membership import generate_secret
-from tests.helpers import REPO
+from tests.helpers import REPO, rounds, time_rounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -38,20 +37,6 @@ LIMITS = ["-o", "swarm.streams.max_streams=64", "-o", "swarm.streams.max_streams
           "-o", "swarm.streams.handshake_timeout=300"]
 IDENTITIES, STREAMS = 5, 16
 ROUNDS = 5
-
-
-def rounds(peer: PeerProcess) -> int:
-    return int(peer.status(timeout=30)["training"]["rounds_ok"])
-
-
-def time_rounds(peer: PeerProcess, count: int, timeout: float) -> float | None:
-    """Seconds until ``peer`` averaged ``count`` more rounds, or None if it did not within ``timeout``."""
-    start, started = rounds(peer), time.monotonic()
-    try:
-        wait_for(lambda: rounds(peer) >= start + count, timeout, f"{count} rounds", 0.5)
-    except TimeoutError:
-        return None
-    return time.monotonic() - started
 
 
 def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str, int]]:
