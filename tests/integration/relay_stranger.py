@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 
 from peerd.swarm.process import add_p2pd_flags
 
@@ -53,12 +53,27 @@ async def sink(relay: str, out: Path) -> None:
         await asyncio.sleep(0.2)  # the test reads the file while this runs; it is stopped by a signal
 
 
+async def open_stream(p2p: P2P, sink_id: PeerID) -> tuple[object, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream to the sink, once the source's libp2p DHT can route to it.
+
+    The source learns the sink's relayed address from the relay through libp2p's DHT, whose table takes the
+    relay in only after identify, which runs after the bootstrap connect returns. Until then p2pd answers "failed
+    to find any peer in table"; a stranger tries again, as this one does (within the caller's 20 s).
+    """
+    while True:
+        try:
+            return await p2p.call_binary_stream_handler(sink_id, PROTOCOL)
+        except P2PDaemonError as e:  # ControlFailure
+            if "failed to find any peer in table" not in str(e):
+                raise
+        await asyncio.sleep(0.2)  # p2pd gives no event for its routing table taking a peer
+
+
 async def source(relay: str, sink_id: str, nbytes: int, sink_report: Path) -> None:
     p2p = await P2P.create(initial_peers=[relay], host_maddrs=["/ip4/0.0.0.0/tcp/0"])
     sent, error, path = 0, None, None
     try:
-        info, _, writer = await asyncio.wait_for(
-            p2p.call_binary_stream_handler(PeerID.from_base58(sink_id), PROTOCOL), 20)
+        info, _, writer = await asyncio.wait_for(open_stream(p2p, PeerID.from_base58(sink_id)), 20)
         path = str(info.addr)
         chunk = b"\0" * CHUNK
         while sent < nbytes:
