@@ -40,6 +40,8 @@ class PeerMedians:
         self._values: OrderedDict[str, deque[float]] = OrderedDict()
         self._medians: dict[str, float] = {}  # of each peer's kept values, updated when they change
         self._lock = threading.Lock()
+        self._typical: float | None = None  # cached until the next observed value (a DHT request reads it thrice)
+        self._stale = False
 
     def observe(self, peer: str, value: float) -> None:
         """Counts ``value`` in ``peer``'s median; values that are not positive and finite teach nothing."""
@@ -51,12 +53,15 @@ class PeerMedians:
             self._medians[peer] = statistics.median(kept)
             for forgotten, _ in remember(self._values, peer, kept, self._peers):
                 self._medians.pop(forgotten, None)
+            self._stale = True
 
     def typical(self) -> float | None:
         """The lower median of the peers' medians (None before any peer sent a value)."""
         with self._lock:
-            medians = sorted(self._medians.values())
-        return medians[(len(medians) - 1) // 2] if medians else None
+            if self._stale:
+                medians = sorted(self._medians.values())
+                self._typical, self._stale = medians[(len(medians) - 1) // 2], False
+            return self._typical
 
     def median(self, peer: str) -> float | None:
         """``peer``'s own median (None if it is not in the table)."""

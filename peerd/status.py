@@ -94,6 +94,7 @@ async def status_document(peer: Running) -> dict[str, Any]:
     """The ``/status`` document (``peerd status`` renders it; the metrics are computed from it)."""
     assert peer.swarm is not None and peer.presence is not None
     peers, peers_read_age, error = await peer.presence.peers()
+    dropped, cut = await peer.swarm.dht_counts()
     return {
         "peer_id": peer.swarm.peer_id,
         "run_name": peer.config.run_name,
@@ -110,9 +111,9 @@ async def status_document(peer: Running) -> dict[str, Any]:
         # the median of this peer's recent DHT stores and reads: matchmaking windows and progress reads
         # stretch with it
         "dht_request_seconds": round(peer.swarm.latency.median(), 4),
-        "records_dropped": await peer.swarm.dropped_records(),
+        "records_dropped": dropped,
         # DHT requests cut short by the wait bound (a peer answering far slower than the typical one)
-        "dht_requests_cut": await peer.swarm.cut_requests(),
+        "dht_requests_cut": cut,
         "training": peer.trainer.report.as_dict() if peer.trainer is not None else None,
         "experts": experts_section(peer),
         "membership": peer.guard.status() if peer.guard is not None else {"mode": peer.membership.describe()},

@@ -43,7 +43,7 @@ class NormBound:
     def __init__(self, ratio: float | None) -> None:
         """``ratio``: how many times the typical peer's per-token norm one tensor may reach (None: no bound)."""
         self.ratio = ratio
-        self.scaled = 0  # tensors scaled down
+        self.scaled = 0  # tensors :meth:`bound` scaled down (callers of :meth:`factor` count what they do)
         self._medians = PeerMedians(CALLS_KEPT, PEERS_KEPT)
         self._lock = threading.Lock()  # a host's compute threads serve several experts' queues at once
 
@@ -55,6 +55,8 @@ class NormBound:
             reference = self._medians.typical()
             self._medians.observe(peer, norm)
             factor = self._factor(norm, reference)
+            if factor != 1.0:
+                self.scaled += 1
         return tensor if factor == 1.0 else tensor * factor
 
     def observe(self, peer: str, norm: float) -> None:
@@ -83,5 +85,4 @@ class NormBound:
     def _factor(self, norm: float, reference: float | None) -> float:
         if self.ratio is None or reference is None or norm <= self.ratio * reference:
             return 1.0
-        self.scaled += 1
         return self.ratio * reference / norm

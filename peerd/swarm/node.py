@@ -37,6 +37,8 @@ from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
 
 if TYPE_CHECKING:
+    from hivemind.dht.node import DHTNode
+
     from peerd.swarm.process import IsolatedDHT
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,11 @@ logger = logging.getLogger(__name__)
 class SeenPeer:
     record: PeerRecord
     expires_at: float
+
+
+async def node_counts(dht: object, node: DHTNode) -> tuple[dict[str, int], int]:
+    """Run where the DHT node runs (``run_coroutine``), in one round trip: its refused records and cut requests."""
+    return await node_drop_counts(dht, node), await cut_requests(dht, node)
 
 
 class SwarmNode:
@@ -189,28 +196,19 @@ class SwarmNode:
         self._log_dropped(str(error.context.get("peer_id", "unknown")), logging.WARNING, "Dropping invalid record: %s",
                           error)
 
-    async def dropped_records(self) -> dict[str, int]:
-        """Records refused, by reason: by this daemon's readers plus by its DHT node (stores and answers)."""
+    async def dht_counts(self) -> tuple[dict[str, int], int | None]:
+        """Records refused, by reason (by this daemon's readers plus its DHT node's stores and answers), and the
+        DHT requests its wait bound cut short (``stragglers.py``; None when the DHT node could not be read)."""
         counts = self.verifier.counts()
         try:
-            future = self.dht.run_coroutine(node_drop_counts, return_future=True)
-            child: dict[str, int] = await asyncio.wait_for(asyncio.wrap_future(future),
-                                                           self.config.request_timeout)
+            future = self.dht.run_coroutine(node_counts, return_future=True)
+            child, cut = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
         except (TimeoutError, OSError, RuntimeError) as e:
-            logger.debug("Could not read the DHT node's record counts: %r", e)
-            return counts
+            logger.debug("Could not read the DHT node's counts: %r", e)
+            return counts, None
         for reason, count in child.items():
             counts[reason] = counts.get(reason, 0) + count
-        return counts
-
-    async def cut_requests(self) -> int:
-        """DHT requests this node stopped waiting for before request_timeout (``stragglers.py``)."""
-        try:
-            future = self.dht.run_coroutine(cut_requests, return_future=True)
-            return int(await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout))
-        except (TimeoutError, OSError, RuntimeError) as e:
-            logger.debug("Could not read the DHT node's cut requests: %r", e)
-            return 0
+        return counts, int(cut)
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
         return {subkey: value for subkey, (value, _) in (await self.read_entries(key)).items()}

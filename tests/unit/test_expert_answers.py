@@ -35,6 +35,11 @@ class FakeClient:
         self.swarm = SimpleNamespace(peer_id=ME)
         self.trusted: list[str] = []
         self.judged: list[tuple[str, str | None]] = []  # (uid, why it was left out; None: scaled)
+        self.bounds: tuple[NormBound, NormBound] | None = None
+
+    def answer_bounds(self, name: str, ratio: float | None) -> tuple[NormBound, NormBound]:
+        self.bounds = self.bounds or (NormBound(ratio), NormBound(ratio))
+        return self.bounds
 
     def within_bound(self, uid: str) -> None:
         self.trusted.append(uid)

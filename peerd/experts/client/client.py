@@ -87,7 +87,8 @@ class ExpertClient:
 
     def answer_bounds(self, name: str, ratio: float | None) -> tuple[NormBound, NormBound]:
         """The bounds on the answers of the hosts MoE layer ``name`` calls: (forward outputs, input gradients)."""
-        return self._bounds.setdefault(name, (NormBound(ratio), NormBound(ratio)))
+        # the layer asks on every pass: the pair is built once
+        return self._bounds.get(name) or self._bounds.setdefault(name, (NormBound(ratio), NormBound(ratio)))
 
     def out_of_bound(self, uid: str, phase: pb.ExpertPhase, peer_id: str, left_out: str | None) -> None:
         """Counts an answer of ``uid`` by ``peer_id`` that its layer found over the bound; ``left_out``: why it

@@ -35,7 +35,7 @@ from torch import nn
 
 from peerd.config import MoEConfig
 from peerd.errors import ActivationsGone, PeerdError
-from peerd.experts.bounds import NormBound, per_token_norm
+from peerd.experts.bounds import per_token_norm
 from peerd.experts.calls import wire_codec
 from peerd.experts.client.client import Answer, ExpertClient, LayerStats
 from peerd.experts.client.dispatch import gather_quorum
@@ -84,7 +84,6 @@ class RemoteMoE(nn.Module):
         self.stats = LayerStats()
         self._warned_at = -math.inf
         self._dummy = torch.empty(0, requires_grad=True)  # makes backward run even if the input needs no grad
-        self._bounds = (NormBound(config.max_answer_ratio), NormBound(config.max_answer_ratio))
         if client is not None:
             self.attach(client)
 
@@ -92,7 +91,6 @@ class RemoteMoE(nn.Module):
         """Connects the layer to the swarm's experts (models may be built before the daemon's P2P exists)."""
         self._client = client
         self.stats = client.track(self.name, self.config.refresh_period, self.config.retry_after)
-        self._bounds = client.answer_bounds(self.name, self.config.max_answer_ratio)
 
     @property
     def client(self) -> ExpertClient:
@@ -170,7 +168,8 @@ class RemoteMoE(nn.Module):
         over it are always scaled down: they vary more between honest experts than outputs do (an honest one
         reached 4.2 times the typical host's). Every answer of the pass counts in its host's median first, so
         the answers of the first pass already bound each other."""
-        bound = self._bounds[0 if phase == pb.EXPERT_FORWARD else 1]
+        outputs_bound, gradients_bound = self.client.answer_bounds(self.name, self.config.max_answer_ratio)
+        bound = outputs_bound if phase == pb.EXPERT_FORWARD else gradients_bound
         norms = {i: per_token_norm(answer.result) / max(per_token_norm(sent[i]), _TINY) for i, answer in results.items()}
         for i, answer in results.items():
             bound.observe(answer.host, norms[i])
