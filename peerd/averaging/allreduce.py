@@ -166,7 +166,7 @@ class AllReducer:
             limit = deadline + self.config.join_timeout + 5.0 + 6 * self.config.verification.timeout
             await asyncio.wait_for(asyncio.gather(own, *(exchange.run() for exchange in exchanges)), limit)
             await reducer.answered(self.config.join_timeout)
-            self._settle(verification, flat, result, spans, report)
+            self._settle(verification, flat, result, spans, report, exchanges)
             report.excluded.update(reducer.excluded)
             report.aggregation, report.clipped = reducer.rule, reducer.clipped
             report.bytes_sent += reducer.bytes_sent
@@ -215,19 +215,22 @@ class AllReducer:
 
     @staticmethod
     def _settle(verification: RoundVerification, flat: torch.Tensor, result: torch.Tensor,
-                spans: list[tuple[int, int]], report: RoundReport) -> None:
-        """Keeps this peer's own values wherever an average did not check out or its chunk is void."""
-        for span, (start, end) in enumerate(spans):
-            if span == verification.rank or end == start:
+                spans: list[tuple[int, int]], report: RoundReport, exchanges: list[SpanExchange]) -> None:
+        """Keeps this peer's own values wherever an average did not check out or its chunk is void, and carries
+        error feedback only where an average is applied."""
+        for exchange in exchanges:
+            start, end = spans[exchange.index]
+            if end == start:
                 continue
-            verdict = verification.verdicts.get(span)
+            verdict = verification.verdicts.get(exchange.index)
             if verdict is None or not verdict.apply:
                 result[start:end] = flat[start:end]
-                report.unverified[span] = verdict.reason if verdict is not None else "not verified"
+                report.unverified[exchange.index] = verdict.reason if verdict is not None else "not verified"
                 continue
             for index in verdict.void:
                 a, b = chunk_bounds(end - start, verification.config.chunk_numel)[index]
                 result[start + a : start + b] = flat[start + a : start + b]
+            exchange.commit_feedback(verdict.void)
         start, end = spans[verification.rank]
         for index in verification.own_void:
             a, b = chunk_bounds(end - start, verification.config.chunk_numel)[index]

@@ -2,9 +2,8 @@
 chunk by chunk, on one stream; then, on the same stream, the span's verification (protocols/
 peerd_averaging.proto): the sender seals what it sent, takes the reducer's statement, reveals its seed share,
 sends its samples and, if the span fails its checks (or, by chance, to audit one that passed), challenges the
-reducer for the rows of a chunk.
-Chunks whose average never arrives keep this member's own values; error feedback is carried only for the
-chunks the reducer says it included.
+reducer for the rows of a chunk. Chunks whose average never arrives, or is not applied, keep this member's own
+values; error feedback is carried only where the reducer included a chunk and its average is applied.
 
 The next chunk is coded while the current one drains into p2pd, and the first one while the stream opens,
 so the uplink never waits for the codec."""
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import blake3
@@ -59,6 +59,7 @@ class SpanExchange:
     verification: RoundVerification
     sent: torch.Tensor  # what every member decodes of this member's contributions, flat
     received: set[int] = field(default_factory=set)
+    included: dict[int, bool] = field(default_factory=dict)  # chunks the reducer included -> average is SPARSE8
     errors: list[float] = field(default_factory=list)
     # a span that passed its checks and drew an audit: its stream, left open for `audit` after the round
     audit_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -71,7 +72,7 @@ class SpanExchange:
         self.carried = self.residual[start:end] if self.residual is not None else None
         self.out = self.result[start:end]
         self.decoded = self.sent[start:end]
-        # What quantization drops from each chunk, committed to the residual once the chunk is included.
+        # What quantization drops from each chunk, committed to the residual once its average is applied.
         self.dropped = torch.empty_like(self.source) if self.residual is not None else None
         self.norms: dict[int, float] = {}
         self.hashes: list[bytes] = []
@@ -199,11 +200,20 @@ class SpanExchange:
         self.received.add(k)
         # included => the reducer got our chunk k, so its encoding (and `dropped`) is complete
         if self.carried is not None and self.dropped is not None and response.included:
-            self.carried[a:b] = self.dropped[a:b]
-            if scheme_of(data) is codec.Scheme.SPARSE8:  # it carries no residual: ours takes what it left out
-                readd_left_out(self.carried[a:b], self.decoded[a:b], self.out[a:b])
+            self.included[k] = scheme_of(data) is codec.Scheme.SPARSE8
             norm = self.norms.get(k, 0.0)
             self.errors.append(float(self.dropped[a:b].norm()) / norm if norm else 0.0)
+
+    def commit_feedback(self, void: Collection[int]) -> None:
+        """Once the average is applied: what coding dropped from included chunks but ``void`` joins the residual
+        (a chunk keeping our own values keeps its residual, or what was dropped would be applied twice)."""
+        for k, sparse in self.included.items():
+            a, b = self.chunks[k]
+            if k in void or self.carried is None or self.dropped is None:
+                continue
+            self.carried[a:b] = self.dropped[a:b]
+            if sparse:  # a SPARSE8 average carries no residual: ours takes what it left out of our row
+                readd_left_out(self.carried[a:b], self.decoded[a:b], self.out[a:b])
 
     async def _verify(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The span's verification: statement in, seed share and samples out, the verdict, a challenge. True if

@@ -19,7 +19,9 @@ from peerd.averaging import compute
 from peerd.averaging.allreduce import HANDLER_NAME, AllReducer
 from peerd.averaging.group import Group
 from peerd.averaging.layout import split_spans
+from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
+from peerd.averaging.verify.payloads import code_average
 from peerd.averaging.verify.randomness import commitment, new_share
 from peerd.averaging.verify.round import RoundVerification, Verdict
 from peerd.config import AveragingConfig, CodecConfig, StreamLimits, VerificationConfig
@@ -325,3 +327,49 @@ def test_audits_of_honest_spans_recompute_them_and_exclude_nobody() -> None:
         assert all(r.bans.status() == {} for r in reducers)
 
     asyncio.run(with_peers(3, body, audited))
+
+
+@pytest.mark.timeout(120)
+def test_a_span_whose_average_is_not_applied_keeps_the_residual_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under top-k nearly a whole row waits in the residual. A member that keeps its own values for a span whose
+    average failed its checks has applied that row in full: the residual there stays as it was, or the part
+    coding held back would be applied twice (once now, once when it is sent)."""
+    topk = PATIENT.model_copy(update={"codec": CodecConfig(scheme="topk", min_compress_numel=0)})
+    honest_average = SpanReducer._average_chunk
+    liars: set[str] = set()
+
+    def lying_average(self: SpanReducer, index: int) -> bytearray:
+        payload = honest_average(self, index)
+        if self.peer_id not in liars:
+            return payload
+        start, end = self.chunks[index]
+        lie = code_average(self.out[start:end] * -1000.0, None, self.codec_config,
+                           self.config.verification.check_narrow_codes, self.peer_id, self.counts[index])
+        self.record.sign_output(index, lie)
+        return lie
+
+    monkeypatch.setattr(SpanReducer, "_average_chunk", lying_average)
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        liars.add(members[2])
+        numel = 60_000
+        xs = [torch.randn(numel) for _ in reducers]
+        residuals = [0.1 * torch.randn(numel) for _ in reducers]
+        before = [r.clone() for r in residuals]
+        outs = await asyncio.gather(*[r.all_reduce(Group("kept", members), x, 1.0, res)
+                                      for r, x, res in zip(reducers, xs, residuals)])
+        spans = split_spans(numel, 3, topk.codec.block_size)
+        for reducer, x, residual, old, (result, report) in zip(reducers, xs, residuals, before, outs):
+            if reducer.peer_id in liars:
+                continue
+            assert set(report.unverified) == {2}, report.unverified  # the liar's span: own values, as they were
+            start, end = spans[2]
+            assert torch.equal(result[start:end], x[start:end])
+            assert torch.equal(residual[start:end], old[start:end])
+            # an honest reducer's span, applied: what top-k held back of this round's row went to the residual
+            honest = next(i for i in range(2) if members[i] != reducer.peer_id)
+            start, end = spans[honest]
+            assert (residual[start:end] - old[start:end]).abs().sum() > 0.5 * x[start:end].abs().sum()
+
+    asyncio.run(with_peers(3, body, topk))
