@@ -59,6 +59,8 @@ TOP_K = "top-k 1.56%, 2-bit values + error feedback"
 TOP_K_UNCHECKED = "top-k 1.56%, 2-bit, averages returned as top-k, unchecked"
 TOP_K_1 = "top-k 1%, 2-bit values + error feedback"
 MEAN, ROBUST = "mean", "centered_clip"
+TOP_K_MEAN = ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
+              "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]
 # comparison -> {setting: its overrides}; the first setting is the baseline the second is measured against
 COMPARISONS = {
     "codec": {FP32: ["-o", "averaging.codec.lossless=true", "-o", "averaging.aggregation=mean"],
@@ -75,6 +77,9 @@ COMPARISONS = {
                        "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"],
                TOP_K_1: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
                          "-o", "averaging.codec.density=0.01", "-o", "averaging.codec.value_bits=2"]},
+    # top-k's residual carries what rounds leave out, as an outer momentum would: both, or the residual alone
+    "momentum": {f"{TOP_K}, outer momentum 0.9": [*TOP_K_MEAN, "-o", "training.diloco.outer_momentum=0.9"],
+                 f"{TOP_K}, outer momentum 0": [*TOP_K_MEAN, "-o", "training.diloco.outer_momentum=0"]},
     "aggregation": {MEAN: ["-o", "averaging.aggregation=mean"], ROBUST: ["-o", "averaging.aggregation=centered_clip"]},
     "mode": {"sync": ["-o", "training.mode=sync"], "diloco": ["-o", "training.mode=diloco"]},
     "widths": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],

@@ -34,7 +34,12 @@ class DilocoConfig(Section):
         "phase computes): equal samples, and without overlap reproducible runs.",
     )
     outer_lr: float = Field(default=0.7, gt=0, allow_inf_nan=False, description="Outer SGD learning rate.")
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer SGD momentum.")
+    outer_momentum: float = Field(
+        default=0.9, ge=0, lt=1,
+        description="Outer SGD momentum. Unset, it is 0 with averaging.codec.scheme topk: top-k's error-feedback "
+        "residual already carries what each round leaves out, as a momentum would (SparseLoCo), and with both "
+        "the small LM's loss rose between phases. Peers of a swarm must agree on it.",
+    )
     nesterov: bool = Field(default=True, description="Nesterov momentum for the outer SGD.")
     matchmaking_window: float = Field(
         default=5.0, gt=0, allow_inf_nan=False,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from peerd.config.experts import ExpertsConfig
@@ -40,6 +40,14 @@ class PeerdConfig(BaseSettings):
     )
     control: ControlConfig = Field(default_factory=ControlConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _outer_momentum(self) -> PeerdConfig:
+        """Top-k's residual is the outer momentum unless one is set (``training.diloco.outer_momentum``)."""
+        diloco = self.training.diloco
+        if self.averaging.codec.scheme == "topk" and "outer_momentum" not in diloco.model_fields_set:
+            diloco.__dict__["outer_momentum"] = 0.0  # without validate_assignment's re-run of the validators
+        return self
 
     @property
     def light(self) -> bool:

@@ -132,3 +132,14 @@ def test_the_dht_runs_on_the_daemons_loop_for_a_light_peer_unless_told_otherwise
     assert not PeerdConfig(swarm={"dht_host": "child"}).dht_in_process
     with pytest.raises(ValueError, match="dht_host"):
         PeerdConfig(swarm={"dht_host": "thread"})
+
+
+def test_top_k_pseudo_gradients_take_no_outer_momentum_unless_one_is_set(tmp_path: Path) -> None:
+    """Top-k's error-feedback residual carries what each round leaves out, as an outer momentum would."""
+    topk = {"averaging": {"codec": {"scheme": "topk"}}, "training": {"mode": "diloco"}}
+    assert load_config(overrides={"training": {"mode": "diloco"}}).training.diloco.outer_momentum == 0.9
+    assert load_config(overrides=topk).training.diloco.outer_momentum == 0.0
+    config = tmp_path / "momentum.yaml"
+    config.write_text("training: {mode: diloco, diloco: {outer_momentum: 0.9}}\n")  # set, even to the default
+    explicit = load_config(config, overrides={"averaging": {"codec": {"scheme": "topk"}}})
+    assert explicit.training.diloco.outer_momentum == 0.9
