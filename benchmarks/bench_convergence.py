@@ -65,16 +65,12 @@ TOP_K_MEAN = ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=
 COMPARISONS = {
     "codec": {FP32: ["-o", "averaging.codec.lossless=true", "-o", "averaging.aggregation=mean"],
               EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
-              TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
-                      "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
+              TOP_K: TOP_K_MEAN},
     # what checking top-k averages costs: reducers return SPARSE8 (the default) or top-k with their residual,
     # and checked top-k at a lower density
     "checks": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
-               TOP_K_UNCHECKED: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
-                                 "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2",
-                                 "-o", "averaging.verification.check_narrow_codes=false"],
-               TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
-                       "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"],
+               TOP_K_UNCHECKED: [*TOP_K_MEAN, "-o", "averaging.verification.check_narrow_codes=false"],
+               TOP_K: TOP_K_MEAN,
                TOP_K_1: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
                          "-o", "averaging.codec.density=0.01", "-o", "averaging.codec.value_bits=2"]},
     # top-k's residual carries what rounds leave out, as an outer momentum would: both, or the residual alone
@@ -85,8 +81,7 @@ COMPARISONS = {
     "widths": {EIGHT_BIT: ["-o", "averaging.aggregation=mean"],
                FOUR_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise4"],
                TWO_BIT: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=blockwise2"],
-               TOP_K: ["-o", "averaging.aggregation=mean", "-o", "averaging.codec.scheme=topk",
-                       "-o", "averaging.codec.density=0.0156", "-o", "averaging.codec.value_bits=2"]},
+               TOP_K: TOP_K_MEAN},
 }
 MICRO_BATCH = 16  # configs/lm.yaml's task uses the lm task's default batch_size
 

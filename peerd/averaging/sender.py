@@ -207,13 +207,13 @@ class SpanExchange:
     def commit_feedback(self, void: Collection[int]) -> None:
         """Once the average is applied: what coding dropped from included chunks but ``void`` joins the residual
         (a chunk keeping our own values keeps its residual, or what was dropped would be applied twice)."""
+        carried, dropped = self.carried, self.dropped  # both set whenever a chunk was included
         for k, sparse in self.included.items():
-            a, b = self.chunks[k]
-            if k in void or self.carried is None or self.dropped is None:
-                continue
-            self.carried[a:b] = self.dropped[a:b]
-            if sparse:  # a SPARSE8 average carries no residual: ours takes what it left out of our row
-                readd_left_out(self.carried[a:b], self.decoded[a:b], self.out[a:b])
+            if k not in void and carried is not None and dropped is not None:
+                a, b = self.chunks[k]
+                carried[a:b] = dropped[a:b]
+                if sparse:  # a SPARSE8 average carries no residual: ours takes what it left out of our row
+                    readd_left_out(carried[a:b], self.decoded[a:b], self.out[a:b])
 
     async def _verify(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """The span's verification: statement in, seed share and samples out, the verdict, a challenge. True if
