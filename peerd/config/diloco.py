@@ -37,8 +37,8 @@ class DilocoConfig(Section):
     outer_momentum: float = Field(
         default=0.9, ge=0, lt=1,
         description="Outer SGD momentum. Unset, it is 0 with averaging.codec.scheme topk: top-k's error-feedback "
-        "residual already carries what each round leaves out, as a momentum would (SparseLoCo), and with both "
-        "the small LM's loss rose between phases. Peers of a swarm must agree on it.",
+        "residual already carries what each round leaves out, as a momentum would (SparseLoCo), so the two "
+        "together overshoot. Peers of a swarm must agree on it.",
     )
     nesterov: bool = Field(default=True, description="Nesterov momentum for the outer SGD.")
     matchmaking_window: float = Field(
