@@ -2,9 +2,9 @@
 (tests/integration/lying_reducer.py, a patched `peerd start`), to every member or to one of them only. The
 honest members catch it in its first round, apply none of its averages and exclude it on evidence each checks
 itself; their validation loss ends within 10% of an attack-free run's, with 8-bit and with top-k pseudo-gradients.
-With the checks patched out (tests/integration/unverified.py) the same attack wrecks the model (diloco mode). A
-member that misstates its own rows to frame honest reducers (tests/integration/framer.py) is excluded itself, and
-no honest member is.
+With the checks patched out (tests/integration/unverified.py), or top-k's switched off, the same attack wrecks
+the model (diloco mode). A member that misstates its own rows to frame honest reducers
+(tests/integration/framer.py) is excluded itself, and no honest member is.
 
 The LM of configs/lm.yaml, small (as tests/integration/test_diloco.py runs it), in sync mode and in diloco mode,
 3 peers (4 with top-k, below).
@@ -133,14 +133,18 @@ def test_a_lying_reducer_is_caught_and_excluded_and_changes_nothing(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["diloco"], indirect=True, scope="module")
+@pytest.mark.parametrize("mode", ["diloco", "topk"], indirect=True, scope="module")
 def test_without_the_checks_the_same_reducer_wrecks_the_model(mode: str, reference: float, tmp_path: Path) -> None:
     """In diloco mode, whose outer step applies the pseudo-gradient as averaged (in sync mode AdamW's steps are
     bounded by the learning rate whatever the gradient's scale, so 10 steps of a flipped gradient on a third of
     the parameters leave this small LM's loss too close to the 10% band to tell damage from noise), and without
-    state averaging, so that the blind members' parameters move by the liar's averages only."""
-    run = train(tmp_path, mode, [BLIND, BLIND, LIAR], env={"LYING_REDUCER": "everyone"},
-                options=("-o", f"training.state_averaging_every={10 * STEPS}"))
+    state averaging, so that the blind members' parameters move by the liar's averages only. With top-k the
+    members are peerd itself, with the checks off as a user turns them off
+    (``averaging.verification.check_narrow_codes: false``: averages come back as top-k, unchecked)."""
+    blind, options = BLIND, ("-o", f"training.state_averaging_every={10 * STEPS}")
+    if mode == "topk":
+        blind, options = HONEST, (*options, "-o", "averaging.verification.check_narrow_codes=false")
+    run = train(tmp_path, mode, [blind, blind, LIAR], env={"LYING_REDUCER": "everyone"}, options=options)
     losses = run.losses()
     print(f"{mode}, lying reducer, checks off: validation loss {losses}, attack-free {reference:.4f}")
     assert all(loss > 1.3 * reference for loss in losses), (losses, reference)  # far outside the 10% band
