@@ -22,6 +22,7 @@ rows counted as distinct that look alike (:func:`look_alike`) fail nothing, but 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -55,6 +56,8 @@ ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes
 # (estimated by sampling such rows); independent signs would give [0.09, 3.5].
 SKETCH_LOW, SKETCH_HIGH = 0.015, 16.0
 SKETCH_FLOAT = 1e-5
+# the chance that honest rows' samples fail _check_spread, per pair of rows and chunk, whatever the rows hold
+SPREAD_FALSE_ALARM = 1e-9
 MEDOID_TOLERANCE = 1e-3
 SKETCH_TOLERANCE = 1e-4  # how far a member's sketch may be from its row's, relative to the row's sketch norm
 COPY_SKETCH = 2 * SKETCH_TOLERANCE  # identical rows' sketches: each may be that far from the row's
@@ -170,8 +173,10 @@ def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSampl
     distinct = stacked[chunk.distinct]
     if chunk.gram is not None and coefficients is not None:
         _check_gram(chunk.gram, index, distinct)
+        _check_spread(chunk.gram, index, values[chunk.distinct], out.numel())
     if chunk.norms is not None:
         _check_norms(chunk.norms, index, distinct)
+        _check_spread(chunk.norms, index, values[chunk.distinct], out.numel())
 
 
 def _check_copies(chunk: Chunk, index: int, rule: str, values: torch.Tensor, sketches: torch.Tensor) -> None:
@@ -223,3 +228,47 @@ def _check_norms(claimed: torch.Tensor, index: int, stacked: torch.Tensor) -> No
     slack = SKETCH_FLOAT * sketched + 1e-300
     if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
         raise Inconsistent(index, "the published norms disagree with the rows' sketched norms")
+
+
+
+@functools.cache
+def spread_bounds(samples: int, false_alarm: float = SPREAD_FALSE_ALARM) -> torch.Tensor:
+    """Per rank r (1 to ``samples``): the t for which r or more uniform samples of a row land, by chance, where
+    its squared elements exceed t times their mean. Fewer than 1/t of the elements can: a binomial tail, summed
+    over the ranks, of at most ``false_alarm``, for any row."""
+    k = torch.arange(samples + 1, dtype=torch.float64)
+    log_choose = torch.lgamma(k.new_tensor(samples + 1.0)) - torch.lgamma(k + 1) - torch.lgamma(samples - k + 1)
+    low = torch.zeros(samples, dtype=torch.float64)  # log t, bisected for every rank at once
+    high = torch.full((samples,), 42.0, dtype=torch.float64)
+    for _ in range(60):
+        middle = (low + high) / 2
+        p = torch.exp(-middle)[:, None]
+        pmf = torch.exp(log_choose + k * torch.log(p) + (samples - k) * torch.log1p(-p))  # rank x count
+        tails = pmf.flip(-1).cumsum(-1).flip(-1)[torch.arange(samples), torch.arange(1, samples + 1)]
+        enough = tails <= false_alarm / samples
+        high, low = torch.where(enough, middle, high), torch.where(enough, low, middle)
+    return torch.exp(high)
+
+
+def _check_spread(published: torch.Tensor, index: int, values: torch.Tensor, length: int) -> None:
+    """The rows' samples (``values``, distinct rows x samples) against the squared distances between the rows
+    (from ``published``, the Gram matrix around the medoid) or their squared norms (``published`` a vector) the
+    coefficients followed from. A member's samples and sketch are both its own word: a member lying with its
+    reducer (or a reducer about its own row) could sketch a row close to the others, so that the rule keeps it
+    whole, and sample one far off, so that a wrong average matches the samples. Samples far off at many of
+    the coordinates cannot come from a row that close (:func:`spread_bounds`)."""
+    if published.dim() == 2:
+        claimed = _distances(published)
+        squared = (values[:, None, :] - values[None, :, :]) ** 2
+        around = published.diagonal().abs()
+        slack = SKETCH_FLOAT * (around[:, None] + around[None, :])
+    else:
+        claimed, squared = published, values**2
+        slack = SKETCH_FLOAT * claimed.abs()
+    if squared.shape[-1] == 0:
+        return
+    ordered = length * squared.sort(dim=-1, descending=True).values
+    allowed = claimed[..., None] * spread_bounds(squared.shape[-1]) + slack[..., None] + 1e-300
+    if bool((ordered > allowed).any()):
+        raise Inconsistent(index, "the rows' samples lie further apart than the distances the coefficients "
+                                  "follow from")
