@@ -3,14 +3,13 @@ a challenged chunk, proofs a third member checks alone, the seed, the ban list."
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import blake3
 import pytest
 import torch
 
-from peerd.averaging.aggregation import around, clip_coefficients, medoid_of
+from peerd.averaging.aggregation import clip_coefficients
 from peerd.averaging.verify import checks
 from peerd.averaging.verify.bans import BanList
 from peerd.averaging.verify.checks import SKETCH_HIGH, SKETCH_LOW, Inconsistent, check_chunk
@@ -221,34 +220,14 @@ def test_an_honest_reducer_is_never_convicted_where_float32_loses_the_distances(
 
 
 def test_a_reducer_sampling_its_own_row_far_off_and_sketching_it_close_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reducer (rank 0; a member lying with it does the same with its own row) claims a row close to the
-    others in its Gram matrix and sketch, so centered_clip keeps it whole, and samples a row far off, chosen so
-    that -1000x the honest average is the rule applied to the samples. Sketches and samples are each its own
-    word; only the samples' own estimate of the distances tells them apart."""
-    rows = honest_rows(4)
-    span = Span(rows, "centered_clip")
-    decoded = span.decoded.double()
-    near = decoded.clone()
-    near[0] = decoded[1:].mean(0)  # where it claims to be
-    based = near @ near.t()
-    span.medoid = medoid_of(based)
-    span.gram = around(based, span.medoid)
-    coefficients, _ = clip_coefficients(span.gram, [1.0] * 4, span.medoid, span.config.clip_radius,
-                                        span.config.clip_iterations)
-    span.coefficients = coefficients.tolist()
-    lie = -1000 * (coefficients @ decoded)
-    far = (lie - coefficients[1:] @ decoded[1:]) / coefficients[0]  # the row that makes the lie the rule's result
-    span.out_payload = bytes(codec.encode(lie.float(), span.config.codec))
-    span.out = codec.decode(span.out_payload, peer_id="test")
+    """The reducer claims its own row close to the others in its Gram matrix and sketch, so centered_clip keeps
+    it whole, and samples a row far off, chosen so that -1000x the honest average is the rule applied to the
+    samples (verified_chunks.Span.misstate_own_row). Sketches and samples are each its own word; only how far
+    apart the samples lie tells them apart."""
+    span = Span(honest_rows(4), "centered_clip")
+    samples = span.misstate_own_row()
     statement = span.statement()
-    samples = span.all_samples()
-    sealed = span.payloads[0]
-    span.payloads[0] = bytes(codec.encode(far.float(), span.config.codec))  # its envelope too: the far row's
-    sampled = span.samples(0, row=far.float())
-    span.payloads[0] = sealed
-    sketched = span.samples(0, row=near[0].float())
-    rows0 = dataclasses.replace(sampled.spans[0], sketch=sketched.spans[0].sketch)
-    samples[0] = dataclasses.replace(sampled, spans={0: rows0})
+    assert float(span.out.norm()) > 100 * float(span.decoded[1:].mean(0).norm())  # what the lie would do
 
     def checked() -> None:
         check_chunk(statement, 0, samples, span.out, view(span.out_payload), span.randomness, span.config)
@@ -258,7 +237,7 @@ def test_a_reducer_sampling_its_own_row_far_off_and_sketching_it_close_fails(mon
     monkeypatch.undo()
     with pytest.raises(Inconsistent, match="samples lie further apart"):
         checked()
-    # the chunk's rows then convict the reducer: its samples misstate the row it sealed in its statement
+    # the chunk's rows then convict the reducer: its samples misstate the row its statement names
     verdict = judge_chunk(statement, 0, span.group, dict(enumerate(span.payloads)), span.out_payload, samples,
                           span.config, KeyBook())
     assert span.group.members[0] in verdict.members and verdict.reducer is not None

@@ -4,12 +4,13 @@ unit tests can check honest and lying reducers and members without a network (te
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import blake3
 import torch
 
-from peerd.averaging.aggregation import combine
+from peerd.averaging.aggregation import around, clip_coefficients, combine, medoid_of
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.payloads import code_average, envelope, sent_count, view
@@ -119,3 +120,32 @@ class Span:
 
     def all_samples(self) -> dict[int, MemberSamples]:
         return {rank: self.samples(rank) for rank in range(self.rows.shape[0])}
+
+    def misstate_own_row(self, lie_on: torch.Tensor | None = None) -> dict[int, MemberSamples]:
+        """The reducer (rank 0, centered_clip) lies about its own row, as a member lying with it would about its
+        own: it claims a row at the honest rows' mean in its Gram matrix and sketch, so the rule keeps it whole,
+        and samples (and bounds) a row far off, the one that makes -1000x the honest average (on the elements
+        ``lie_on`` marks; every one if None) the rule's result. Sets the average and returns every member's
+        samples, the reducer's misstated."""
+        decoded = self.decoded.double()
+        near = decoded.clone()
+        near[0] = decoded[1:].mean(0)
+        based = near @ near.t()
+        self.medoid = medoid_of(based)
+        self.gram = around(based, self.medoid)
+        coefficients, _ = clip_coefficients(self.gram, [1.0] * len(near), self.medoid, self.config.clip_radius,
+                                            self.config.clip_iterations)
+        self.coefficients = coefficients.tolist()
+        honest = coefficients @ decoded
+        lie = -1000 * honest if lie_on is None else torch.where(lie_on, -1000 * honest, honest)
+        far = ((lie - coefficients[1:] @ decoded[1:]) / coefficients[0]).float()
+        self.out_payload = bytes(codec.encode(lie.float(), self.config.codec))
+        self.out = codec.decode(self.out_payload, peer_id="test")
+        samples = self.all_samples()
+        sealed = self.payloads[0]
+        self.payloads[0] = bytes(codec.encode(far, self.config.codec))  # its envelope: the far row's
+        sampled = self.samples(0, row=far)
+        self.payloads[0] = sealed
+        sketch = self.samples(0, row=near[0].float()).spans[0].sketch
+        samples[0] = dataclasses.replace(sampled, spans={0: dataclasses.replace(sampled.spans[0], sketch=sketch)})
+        return samples
