@@ -14,6 +14,9 @@ Per chunk that is not void:
    the average this member received, within the codec's bound read from the payload (payloads.py).
 3. **Envelope.** Per coarse block the average's magnitude stays within the coefficients' combination of the
    rows' envelopes (the largest one for trimmed_mean).
+4. **Spread.** Under centered_clip and the norm-equalized mean, the rows' samples lie no further apart than the
+   distances (norms) the coefficients follow from allow: a row's sketch and samples are both its member's word,
+   and one sketched close but sampled far off would keep its whole weight and still move the average.
 
 A check that fails means the reducer's average is not its rule applied to the sealed rows, or a member misstated
 its own row: only the rows can tell (disputes.py); this member applies nothing from the span either way. Two
@@ -228,7 +231,6 @@ def _check_norms(claimed: torch.Tensor, index: int, stacked: torch.Tensor) -> No
     slack = SKETCH_FLOAT * sketched + 1e-300
     if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
         raise Inconsistent(index, "the published norms disagree with the rows' sketched norms")
-
 
 
 @functools.cache
