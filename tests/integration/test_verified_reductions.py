@@ -43,6 +43,7 @@ MODES = {
 FOURTH = ("-o", "training.wait_for_peers=4", "-o", "averaging.target_group_size=4")
 HONEST, LIAR, FRAMER, BLIND = "peerd", "tests.integration.lying_reducer", "tests.integration.framer", \
     "tests.integration.unverified"
+OWN_ROW, UNDEFENDED = "tests.integration.own_row_liar", "tests.integration.undefended"
 
 
 @dataclass
@@ -61,13 +62,15 @@ def validation_loss(report: dict[str, Any]) -> float:
 
 def train(log_dir: Path, mode: str, modules: list[str], env: dict[str, str] | None = None,
           options: tuple[str, ...] = ()) -> Run:
-    """Peers running ``modules`` (honest or blind, then the one under test) to step STEPS, or until the honest
-    peers' validation loss shows the model wrecked."""
+    """Peers running ``modules`` (honest, blind or undefended, then the one under test; a module may carry
+    arguments of its own after a space) to step STEPS, or until the honest peers' validation loss shows the
+    model wrecked."""
     log_dir.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     with LocalSwarm(LM, log_dir=log_dir, extra_args=[*COMMON, *MODES[mode], *options]) as swarm:
-        for i, module in enumerate(modules):
-            args = ["--config", str(LM), "--control-port", "0", *swarm.extra_args,
+        for i, spec in enumerate(modules):
+            module, *own = spec.split()
+            args = [*own, "--config", str(LM), "--control-port", "0", *swarm.extra_args,
                     "-o", f"training.task.shard_index={i}"]
             if swarm.peers:
                 args += ["--initial-peers", swarm.peers[0].ready["maddrs"][0]]
@@ -75,7 +78,7 @@ def train(log_dir: Path, mode: str, modules: list[str], env: dict[str, str] | No
                                env={"PYTHONPATH": path, **(env or {})}, module=module)
             swarm.peers.append(peer)
             peer.wait_ready(90)
-        honest = [p for p, module in zip(swarm.peers, modules) if module in (HONEST, BLIND)]
+        honest = [p for p, spec in zip(swarm.peers, modules) if spec.split()[0] in (HONEST, BLIND, UNDEFENDED)]
 
         def finished() -> list[dict[str, Any]] | None:
             reports = [p.status()["training"] for p in honest]
@@ -148,6 +151,29 @@ def test_without_the_checks_the_same_reducer_wrecks_the_model(mode: str, referen
     losses = run.losses()
     print(f"{mode}, lying reducer, checks off: validation loss {losses}, attack-free {reference:.4f}")
     assert all(loss > 1.3 * reference for loss in losses), (losses, reference)  # far outside the 10% band
+    assert all(r["banned_peers"] == {} for r in run.honest)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode", ["diloco"], indirect=True, scope="module")
+def test_a_reducer_lying_about_its_own_row_is_caught_and_without_the_spread_check_wrecks_the_model(
+        mode: str, reference: float, tmp_path: Path) -> None:
+    """The reducer (tests/integration/own_row_liar.py) sketches its own row close to the others and samples it far
+    off, so that -1000x the honest average passes every check but the samples' spread. With it, the honest members
+    exclude the reducer on proof and train as without it; without it (tests/integration/undefended.py
+    ``spread-check``, no state averaging, as above), the lie is applied."""
+    run = train(tmp_path / "defended", mode, [HONEST, HONEST, OWN_ROW])
+    losses = run.losses()
+    print(f"{mode}, reducer lying about its own row: validation loss {losses}, attack-free {reference:.4f}")
+    assert all(r["validation_step"] >= STEPS for r in run.honest), run.honest
+    assert all(abs(loss / reference - 1) <= 0.10 for loss in losses), (losses, reference)
+    banned_by_every_honest_peer(run, "peer2-own_row_liar")
+    blind = f"{UNDEFENDED} --undefended spread-check"
+    run = train(tmp_path / "undefended", mode, [blind, blind, OWN_ROW],
+                options=("-o", f"training.state_averaging_every={10 * STEPS}"))
+    losses = run.losses()
+    print(f"{mode}, reducer lying about its own row, spread unchecked: validation loss {losses}")
+    assert all(loss > 1.3 * reference for loss in losses), (losses, reference)
     assert all(r["banned_peers"] == {} for r in run.honest)
 
 

@@ -1,0 +1,87 @@
+"""A reducer that lies about its own row, for tests only: `python -m tests.integration.own_row_liar start ...` is
+`peerd start ...` (centered_clip) that, in every lossy round, hands back -1000 times the honest average of its
+span and makes it look right: its Gram matrix, coefficients and sketch put its own row at the mean of the
+others' (so the rule keeps it whole), and its samples and envelope state the row far off that makes the lie the
+rule's result at every coordinate. Its sealed row is its honest one; what it states of it after the seed is
+the lie. A member lying with a reducer would state its own row the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from peerd.averaging import robust
+from peerd.averaging.aggregation import Combined
+from peerd.averaging.verify import round as verify_round
+from peerd.averaging.verify.payloads import envelope
+from peerd.averaging.verify.randomness import RoundRandomness
+from peerd.averaging.verify.samples import LABEL, OwnRow
+from peerd.cli import main
+from peerd.config import CodecConfig
+from peerd.proto import peerd_averaging_pb2 as pb
+
+SCALE = -1000.0
+BLOCK = CodecConfig().block_size
+
+_honest_combine = robust.RobustChunks.combine
+_honest_build = verify_round.build_samples
+# round id -> (its span, chunk index -> (the far row it samples, the near row it sketches))
+STATED: dict[str, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+
+def _lying_combine(self: robust.RobustChunks, index: int, included: set[str], numel: int,
+                   out: torch.Tensor) -> tuple[list[str], Combined]:
+    members = [m for m in self.group.members if m in included]
+    own = self.group.members[self.rank]
+    if self.agreeing or own not in members or len(members) < 3 or numel == 0:
+        return _honest_combine(self, index, included, numel, out)
+    rows = self.rows[index]
+    ranks = [self.group.rank_of(m) for m in members]
+    others = [r for r in ranks if r != self.rank]
+    near = rows[others, :numel].mean(0)
+    rows[self.rank, :numel] = near
+    true_others = rows[others, :numel].double().clone()
+    members, combined = _honest_combine(self, index, included, numel, out)
+    coefficients = torch.tensor(combined.coefficients, dtype=torch.float64)
+    mine = ranks.index(self.rank)
+    lie = SCALE * out.double()
+    rest = coefficients[[i for i in range(len(ranks)) if i != mine]] @ true_others
+    far = ((lie - rest) / coefficients[mine]).float()
+    out.copy_(lie)
+    STATED.setdefault(self.group.round_id, (self.rank, {}))[1][index] = (far, near.clone())
+    return members, combined
+
+
+def _lying_build(key: Any, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
+                 with_sketch: bool, outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]]) -> pb.Signed:
+    span, stated = STATED.pop(round_id, (-1, {}))
+    if span not in rows or not stated:
+        return _honest_build(key, round_id, randomness, rows, with_sketch, outputs)
+    own = rows[span]
+    sampled, sketched = own.row.clone(), own.row.clone()
+    envelopes = list(own.envelopes)
+    for index, (far, near) in stated.items():
+        a, b = own.chunks[index]
+        sampled[a:b], sketched[a:b] = far, near
+        envelopes[index] = envelope(None, far, BLOCK)
+    # values and envelope from the far row, the sketch from the near one: two builds, spliced
+    far_rows = {**rows, span: OwnRow(sampled, own.chunks, envelopes, own.counts)}
+    near_rows = {**rows, span: OwnRow(sketched, own.chunks, envelopes, own.counts)}
+    lie = pb.MemberSamples.FromString(_honest_build(key, round_id, randomness, far_rows, with_sketch, outputs).body)
+    sketch = pb.MemberSamples.FromString(
+        _honest_build(key, round_id, randomness, near_rows, with_sketch, outputs).body)
+    for entry, near_entry in zip(lie.spans, sketch.spans, strict=True):
+        if entry.span_index == span:
+            del entry.sketch[:]
+            entry.sketch.extend(near_entry.sketch)
+    body = lie.SerializeToString()
+    return pb.Signed(body=body, signature=key.sign(LABEL, body))
+
+
+robust.RobustChunks.combine = _lying_combine  # type: ignore[method-assign]
+verify_round.build_samples = _lying_build  # type: ignore[assignment]
+
+if __name__ == "__main__":
+    main()
