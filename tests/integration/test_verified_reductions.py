@@ -173,8 +173,8 @@ def test_a_reducer_lying_about_its_own_row_is_caught_and_without_the_spread_chec
                 options=("-o", f"training.state_averaging_every={10 * STEPS}"))
     losses = run.losses()
     print(f"{mode}, reducer lying about its own row, spread unchecked: validation loss {losses}")
+    # the lie is applied; a chunk audited afterwards (at random, or for rows that look alike) may still convict it
     assert all(loss > 1.3 * reference for loss in losses), (losses, reference)
-    assert all(r["banned_peers"] == {} for r in run.honest)
 
 
 @pytest.mark.timeout(900)
