@@ -70,8 +70,7 @@ def honest_ratios(rows: torch.Tensor, scheme: str, chunk_numel: int, seeds: int)
 
 
 def caught(fraction: float, trials: int) -> int:
-    from tests.unit.test_verification import honest_rows
-    from tests.unit.verified_chunks import Span
+    from tests.unit.verified_chunks import Span, honest_rows
 
     found = 0
     for trial in range(trials):

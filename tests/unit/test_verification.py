@@ -28,17 +28,9 @@ from peerd.config import CodecConfig, VerificationConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec
-from tests.unit.verified_chunks import Span
+from tests.unit.verified_chunks import NUMEL, Span, honest_rows
 
 pytestmark = pytest.mark.timeout(60)
-
-NUMEL = 20_000
-
-
-def honest_rows(n: int, spread: float = 0.5, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(NUMEL, generator=generator) + spread * torch.randn(n, NUMEL, generator=generator)
-
 
 def check(span: Span, **edit: object) -> None:
     statement = span.statement(pb.SpanStatement(**edit) if edit else None)  # type: ignore[arg-type]

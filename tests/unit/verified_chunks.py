@@ -32,6 +32,14 @@ from tests.identities import signers
 
 CODEC = CodecConfig(min_compress_numel=0)
 SEED = bytes(range(32))
+NUMEL = 20_000
+
+
+def honest_rows(n: int, spread: float = 0.5, seed: int = 0) -> torch.Tensor:
+    """``n`` members' rows of NUMEL elements: a shared direction, each with its own noise ``spread`` times as
+    large."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(NUMEL, generator=generator) + spread * torch.randn(n, NUMEL, generator=generator)
 
 
 @dataclass
