@@ -13,7 +13,9 @@ Nothing a member writes is believed because it wrote it (``decisions.py``): impl
 are dropped, and a decision whose groups are not the split of its members is refused and its author
 skipped. A leader that does not decide in time (it left, or it never will) is skipped too: the next
 registrant leads, and later rounds skip it from the start for ``SKIP_SECONDS`` (it still averages in them),
-so a member that registers early and never decides costs one round a delay, not every round.
+so a member that registers early and never decides costs one round a delay, not every round. Skips are each
+peer's own: one that took a decision without waiting out the silent leader still waits for it, so a leader
+behind a peer we skip gets the time of a fallback, not of a first leader, before we pass it over too.
 
 The window stretches with the DHT's speed (6 times the median of this peer's recent request times, up to
 ``max_matchmaking_window``): on a busy swarm a follower's registration takes several requests to arrive, and a
@@ -143,13 +145,18 @@ class Matchmaker:
             candidates = {p: state.times[p] for p in state.plausible
                           if p == me or p not in state.stalled and not self._skipping(p)}
             first = leader(candidates)
+            if first != me and first not in state.leading_since and first != leader(
+                    {p: state.times[p] for p in state.plausible if p not in state.stalled}):
+                # we pass over an earlier registrant from a past round; `first` may not (it has seen no round of
+                # that one fail), and decides only once it has waited that one out itself: a fallback's time
+                state.leading_since[first] = started + state.patience
             if first == me and (time.monotonic() >= started + window or len(state.times) >= target):
                 groups = await self._decide(state, lifetime)
                 break
             if first != me and time.monotonic() > state.deadline(first):
                 fallbacks += 1
                 self._skip(first, f"{key}: leader {first} did not decide within "
-                                  f"{time.monotonic() - state.leading_since[first]:.1f}s")
+                                  f"{time.monotonic() - started:.1f}s of this peer's registration")
                 state.stalled.add(first)
                 if fallbacks > MAX_FALLBACKS:
                     raise GroupFailed(f"no group decision for {key} within {time.monotonic() - started:.1f}s "

@@ -257,3 +257,25 @@ def test_a_round_gives_up_after_a_bounded_number_of_silent_leaders() -> None:
         dht.values[KEY, sybil] = (0.0, {"peer_id": sybil, "t": time.time() - 1.0 + 0.01 * i})
     (result,) = asyncio.run(_honest(dht, drops, peers=1))
     assert isinstance(result, GroupFailed) and f"{matchmaking.MAX_FALLBACKS + 1} leaders did not decide" in str(result)
+
+
+def test_a_leader_waiting_out_a_peer_only_we_skip_is_not_passed_over() -> None:
+    """The liar registers first and never decides. A skips it since an earlier round; B took that round's
+    decision without waiting the liar out, so B still waits for it. B registered before A, so A's leader is B,
+    which decides only after its own deadline for the liar: A gives it a fallback's time. Passed over at a first
+    leader's deadline, B would publish [A, B] while A decided [A, liar], and each would take its own."""
+    dht = _DHT(store_seconds=0.5)  # a busy DHT: B's decision is readable well after B's deadline for the liar
+    a, b = (Matchmaker(_Swarm(peer, dht), CONFIG) for peer in PEERS[:2])  # type: ignore[arg-type]
+    a.skipped[LIAR] = time.monotonic() + matchmaking.SKIP_SECONDS
+    _liar_registers(dht, time.time() - 0.5)
+
+    async def both() -> list[Group | BaseException]:
+        async def a_later() -> Group:
+            await asyncio.sleep(0.1)
+            return await a.form_group(KEY, 3)
+
+        return await asyncio.gather(b.form_group(KEY, 3), a_later(), return_exceptions=True)
+
+    groups = asyncio.run(both())
+    assert all(isinstance(g, Group) and set(g.members) == set(PEERS[:2]) for g in groups), groups
+    assert LIAR in b.skipped and PEERS[1] not in a.skipped
