@@ -35,6 +35,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from multiaddr import Multiaddr
 
+from peerd.wire import p2pd_control
+
 logger = logging.getLogger(__name__)
 
 SHORTFALL = 0.75  # a view smaller than this fraction of the largest reported one is partial ...
@@ -173,8 +175,9 @@ async def rebootstrap_node(initial_peers: list[str], others: list[str], records_
         maddr = Multiaddr(address)
         peer = PeerID.from_base58(maddr["p2p"])
         try:
-            # hivemind's P2P has no public dial; DHTNode.create relies on p2pd's bootstrap flag instead
-            await asyncio.wait_for(node.p2p._client.connect(peer, [maddr.decapsulate(f"/p2p/{peer}")]), timeout)
+            # DHTNode.create dials through p2pd's bootstrap flag; a running node has only the control socket
+            await asyncio.wait_for(p2pd_control.connect(node.p2p, peer, [maddr.decapsulate(f"/p2p/{peer}")]),
+                                   timeout)
         except Exception as e:  # noqa: BLE001 - any failure to dial means: this one did not answer
             logger.debug("Re-bootstrap: could not dial %s: %r", address, e)
         return await node.protocol.call_ping(peer) is not None

@@ -34,7 +34,7 @@ from peerd.config import StreamLimits
 from peerd.errors import MembershipError, ProtocolViolation, RPCTimeout
 from peerd.log import RateLimitedLog
 from peerd.proto import peerd_membership_pb2 as pb
-from peerd.wire import handshake
+from peerd.wire import handshake, p2pd_control
 from peerd.wire.limits import ByteBudget, PeerSlots, serving_budget
 from peerd.wire.membership import Membership
 
@@ -184,8 +184,7 @@ class StreamGuard:
 
         async def disconnect() -> None:
             try:
-                # hivemind's P2P has no disconnect of its own; p2pd's control protocol has
-                await self.p2p._client.disconnect(PeerID.from_base58(peer))
+                await p2pd_control.disconnect(self.p2p, PeerID.from_base58(peer))
                 self.disconnected += 1
             except Exception as e:  # noqa: BLE001 - best effort: the peer may have gone, or p2pd be stopping
                 logger.debug("Could not disconnect %s: %r", peer, e)
@@ -206,7 +205,7 @@ class StreamGuard:
         (our allowlist, its secret or limits), RPCTimeout if the handshake stalls; libp2p's own errors pass."""
         if not self.membership.admits(peer):
             raise MembershipError(f"{peer} is not on this swarm's allowlist", peer_id=peer, code="NOT_ON_ALLOWLIST")
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), name)
+        reader, writer = await p2pd_control.open_stream(self.p2p, PeerID.from_base58(peer), name)
         try:
             async with asyncio.timeout(self.limits.handshake_timeout):
                 await handshake.initiate(reader, writer, self.membership, self.peer_id, peer, name)

@@ -14,7 +14,7 @@ from hivemind.p2p import P2P, PeerID
 
 from peerd.config import StreamLimits
 from peerd.errors import MembershipError
-from peerd.wire import handshake
+from peerd.wire import handshake, p2pd_control
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
 
@@ -34,6 +34,15 @@ class _Client:
 
     async def disconnect(self, peer_id: PeerID) -> None:
         self.disconnected.append(str(peer_id))
+
+
+@pytest.fixture(autouse=True)
+def _disconnects_through_the_fake_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard disconnects through p2pd's control socket; here, through the fake client that records it."""
+    async def disconnect(p2p: Any, peer: PeerID) -> None:
+        await p2p._client.disconnect(peer)
+
+    monkeypatch.setattr(p2pd_control, "disconnect", disconnect)
 
 
 def _guard(**limits: Any) -> tuple[StreamGuard, _Client]:
