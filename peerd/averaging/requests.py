@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from peerd.averaging.group import Group
 from peerd.proto import peerd_averaging_pb2 as pb
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_WEIGHT = 1e12
 
 

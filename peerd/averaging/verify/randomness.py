@@ -27,7 +27,7 @@ from peerd.averaging.verify.keys import digest, u64
 __all__ = ["SAMPLES", "SKETCH_SIZE", "SKETCH_WIDTH", "RoundRandomness", "commitment", "new_share", "round_seed"]
 
 SHARE_BYTES = 32
-SAMPLES = 64  # coordinates per chunk
+SAMPLES = 256  # coordinates per chunk
 SKETCH_SIZE = 16  # projections per chunk
 SKETCH_WIDTH = 4096
 _SHARE, _SEED = b"peerd.v1.averaging.seed-share", b"peerd.v1.averaging.seed"
