@@ -45,8 +45,8 @@ async def disconnect(p2p: P2P, peer: PeerID) -> None:
 
 
 async def _request(p2p: P2P, request: p2pd_pb2.Request) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Sends ``request`` on a new control connection and reads p2pd's answer; the connection, open, if it
-    said yes (a stream's connection is the stream); closed on every other way out."""
+    """Sends ``request`` on a new control connection and reads p2pd's answer. Returns the connection, still
+    open, if p2pd said yes (a stream's connection is the stream); closes it on every other way out."""
     reader, writer = await p2p._client.control.daemon_connector.open_connection()
     try:
         await write_pbmsg(writer, request)
