@@ -13,7 +13,8 @@ from peerd.wire.frames import frame_size, read_frame_or_eof, write_frame
 
 __all__ = ["MAX_VERIFY_BYTES", "read_verify", "read_verify_or_eof", "write_verify"]
 
-# A statement of a 64-member group over a span of 2^26 elements in 2^19-element chunks is ~2 MB; samples less.
+# A statement of a 64-member group over a span of 2^26 elements in 2^19-element chunks is ~2 MB; a member's
+# samples over all 64 such spans (256 values, an envelope and a sketch per chunk) ~14 MB.
 MAX_VERIFY_BYTES = 16 << 20
 
 
