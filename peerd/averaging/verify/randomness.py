@@ -28,7 +28,7 @@ __all__ = ["SAMPLES", "SKETCH_SIZE", "SKETCH_WIDTH", "RoundRandomness", "commitm
 
 SHARE_BYTES = 32
 # Coordinates per chunk. The spread check tells a lie from chance only when several samples land in it: a lie on
-# 1-2% of a chunk meets 2.5-5 of 256 samples on average (of 64, under one); the values cost 1 KB per member
+# 1-2% of a chunk meets 2.5-5 of 256 samples on average (of 64, 0.6-1.3); the values cost 1 KB per member
 # and chunk.
 SAMPLES = 256
 SKETCH_SIZE = 16  # projections per chunk
