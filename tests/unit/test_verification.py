@@ -32,6 +32,7 @@ from tests.unit.verified_chunks import NUMEL, Span, honest_rows
 
 pytestmark = pytest.mark.timeout(60)
 
+
 def check(span: Span, **edit: object) -> None:
     statement = span.statement(pb.SpanStatement(**edit) if edit else None)  # type: ignore[arg-type]
     check_chunk(statement, 0, span.all_samples(), span.out, view(span.out_payload), span.randomness, span.config)
