@@ -35,6 +35,7 @@ async def connect(p2p: P2P, peer: PeerID, addresses: Iterable[Multiaddr]) -> Non
         type=p2pd_pb2.Request.CONNECT,
         connect=p2pd_pb2.ConnectRequest(peer=peer.to_bytes(), addrs=[a.to_bytes() for a in addresses])))
     writer.close()
+    await writer.wait_closed()
 
 
 async def disconnect(p2p: P2P, peer: PeerID) -> None:
@@ -42,6 +43,7 @@ async def disconnect(p2p: P2P, peer: PeerID) -> None:
     _, writer = await _request(p2p, p2pd_pb2.Request(
         type=p2pd_pb2.Request.DISCONNECT, disconnect=p2pd_pb2.DisconnectRequest(peer=peer.to_bytes())))
     writer.close()
+    await writer.wait_closed()  # as hivemind's own call: closed before the caller goes on
 
 
 async def _request(p2p: P2P, request: p2pd_pb2.Request) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
