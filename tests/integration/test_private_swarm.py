@@ -51,16 +51,21 @@ def good_calls(peer: PeerProcess) -> int:
                for info in client["experts"].values() for phase in ("forward", "backward"))
 
 
-async def refused(attempt: Callable[[], Awaitable[Any]], error: type[Exception], member: str,
+async def refused(p2p: P2P, attempt: Callable[[], Awaitable[Any]], error: type[Exception], member: str,
                   disconnects: Callable[[str], int]) -> None:
     """``attempt`` fails with ``error`` for a failed proof, and ``member`` then disconnects the dialer; the next
-    attempt waits for that, so that it dials afresh instead of racing the disconnect."""
+    attempt waits for that, so that it dials afresh instead of racing the disconnect. The member's count moves
+    when its own daemon has closed the connection; the dialer's daemon learns of it a moment later, and until
+    then it opens a new stream on the dead connection (the protocol is known, so it does not wait for an
+    answer), which the member resets. So the dialer also waits until its own daemon has dropped the member."""
     before = await asyncio.to_thread(disconnects, member)
     with pytest.raises(error, match="proof of the swarm secret failed"):
         await attempt()
     async with asyncio.timeout(30):
         while await asyncio.to_thread(disconnects, member) <= before:
             await asyncio.sleep(0.1)  # the count is read from the member's status
+        while any(info.peer_id.to_base58() == member for info in await p2p.list_peers()):
+            await asyncio.sleep(0.1)
 
 
 async def dial_every_protocol(bootstrap: str, host: str, members: list[str], secrets: tuple[Path, Path],
@@ -75,8 +80,8 @@ async def dial_every_protocol(bootstrap: str, host: str, members: list[str], sec
         guard = StreamGuard(p2p, Membership(load_secret(secrets[1])), StreamLimits())
         for member in members:
             for protocol in (AVERAGING, STATE, EXPERTS) if member == host else (AVERAGING, STATE):
-                await refused(lambda m=member, p=protocol: guard.open(m, p), MembershipError, member, disconnects)
-        await refused(lambda: probe_state(guard, host, fingerprint, 1 << 30), StateError, host, disconnects)
+                await refused(p2p, lambda m=member, p=protocol: guard.open(m, p), MembershipError, member, disconnects)
+        await refused(p2p, lambda: probe_state(guard, host, fingerprint, 1 << 30), StateError, host, disconnects)
         holder = StreamGuard(p2p, Membership(load_secret(secrets[0])), StreamLimits())
         layout = (await probe_state(holder, host, fingerprint, 1 << 30)).layout  # the dialer has no model of its own
         state = await StateDownloader(holder, fingerprint, layout, 1 << 30, rounds=1).download([host])
