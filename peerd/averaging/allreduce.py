@@ -17,26 +17,32 @@ members sent, with randomness no reducer can predict (verify/), and applies only
 fails keeps this peer's own values, like a span whose reducer failed. A peer caught lying is banned (a local,
 bounded, expiring list) on evidence: left out of every later group this peer averages in and refused on every
 stream; the evidence goes to the round's other members (evidence.py), who check it themselves.
+
+A member this peer waited out in a recent round (it sent nothing, or never answered as a reducer) is watched
+(absences.py): it gets ``averaging.join_timeout`` beyond the rest of the round, not the round's timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
+from peerd.averaging.absences import Absences
 from peerd.averaging.audits import Audits
 from peerd.averaging.evidence import EvidenceDesk
 from peerd.averaging.group import Group, RoundReport, is_state_round
-from peerd.averaging.layout import chunk_bounds, split_spans
+from peerd.averaging.layout import split_spans
 from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.sender import SpanExchange
 from peerd.averaging.serving import SenderStream
+from peerd.averaging.settle import settle
 from peerd.averaging.verify.bans import BanList
 from peerd.averaging.verify.keys import Identity, KeyBook, SigningKey
 from peerd.averaging.verify.payloads import checks_averages
@@ -70,6 +76,7 @@ class AllReducer:
         self.signing = SigningKey(identity)
         self.keys = KeyBook()
         self.bans = BanList(config.verification)
+        self.absences = Absences()
         self.evidence = EvidenceDesk(guard, config, self.keys, self.bans)
         self._reducers: dict[str, SpanReducer] = {}
         self._round_registered = asyncio.Condition()
@@ -139,6 +146,7 @@ class AllReducer:
         start, end = spans[rank]
         config = self.config.model_copy(update={"codec": codec_config})
         sent = self._sent_buffer(flat.numel())
+        watched = self.absences.watched(group.members)
         verification = RoundVerification(group, rank, self.signing, self.keys, config, spans, result,
                                          self._accuser(group, report))
         verification.own_weight = weight
@@ -148,7 +156,7 @@ class AllReducer:
             group, rank, flat[start:end], weight, self.config, codec_config, self.peer_id, result[start:end],
             record, average_residual[start:end] if average_residual is not None else None,
             residual[start:end] if residual is not None else None,
-            is_state_round(group.round_id),
+            is_state_round(group.round_id), frozenset(watched),
         )
         async with self._round_registered:
             self._reducers[group.round_id] = reducer
@@ -161,12 +169,14 @@ class AllReducer:
         ]
         try:
             deadline = self.config.round_timeout
-            own = asyncio.ensure_future(reducer.finish(deadline))
             # the exchanges' verification waits for the other members: up to a few verification timeouts more
             limit = deadline + self.config.join_timeout + 5.0 + 6 * self.config.verification.timeout
-            await asyncio.wait_for(asyncio.gather(own, *(exchange.run() for exchange in exchanges)), limit)
+            await asyncio.wait_for(self._exchange(reducer.finish(deadline), exchanges, watched), limit)
             await reducer.answered(self.config.join_timeout)
-            self._settle(verification, flat, result, spans, report, exchanges)
+            late = {e.member: "never answered as the reducer of its span" for e in exchanges if e.late}
+            late.update({m: "sent no complete contribution to this peer's span in time" for m in reducer.late})
+            self.absences.note(group, self.peer_id, late, reducer.excluded)
+            settle(verification, flat, result, spans, report, exchanges)
             report.excluded.update(reducer.excluded)
             report.aggregation, report.clipped = reducer.rule, reducer.clipped
             report.bytes_sent += reducer.bytes_sent
@@ -181,6 +191,25 @@ class AllReducer:
                     self.audits.start(exchange)
         report.duration = time.monotonic() - started
         return result, report
+
+    async def _exchange(self, own: Awaitable[None], exchanges: list[SpanExchange], watched: set[str]) -> None:
+        """Runs this peer's span (``own``) and its exchanges; once every other span's averages are in, the
+        watched reducers get ``join_timeout`` for theirs, then are given up on."""
+        runs = [asyncio.ensure_future(own), *(asyncio.ensure_future(exchange.run()) for exchange in exchanges)]
+        later = [exchange for exchange in exchanges if exchange.member in watched]
+        try:
+            if later:
+                await asyncio.gather(runs[0], *(e.exchanged.wait() for e in exchanges if e.member not in watched))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.join_timeout):
+                        await asyncio.gather(*(exchange.exchanged.wait() for exchange in later))
+                for exchange in later:
+                    if not exchange.exchanged.is_set():
+                        exchange.give_up.set()
+            await asyncio.gather(*runs)
+        finally:
+            for task in runs:
+                task.cancel()
 
     def _sent_buffer(self, numel: int) -> torch.Tensor:
         """A reused buffer per tensor size (gradients, state): a fresh one costs a page fault per 4 KiB."""
@@ -212,29 +241,6 @@ class AllReducer:
                 self.evidence.push([m for m in group.members if m not in (peer, self.peer_id)], evidence)
 
         return accuse
-
-    @staticmethod
-    def _settle(verification: RoundVerification, flat: torch.Tensor, result: torch.Tensor,
-                spans: list[tuple[int, int]], report: RoundReport, exchanges: list[SpanExchange]) -> None:
-        """Keeps this peer's own values wherever an average did not check out or its chunk is void, and carries
-        error feedback only where an average is applied."""
-        for exchange in exchanges:
-            start, end = spans[exchange.index]
-            if end == start:
-                continue
-            verdict = verification.verdicts.get(exchange.index)
-            if verdict is None or not verdict.apply:
-                result[start:end] = flat[start:end]
-                report.unverified[exchange.index] = verdict.reason if verdict is not None else "not verified"
-                continue
-            for index in verdict.void:
-                a, b = chunk_bounds(end - start, verification.config.chunk_numel)[index]
-                result[start + a : start + b] = flat[start + a : start + b]
-            exchange.commit_feedback(verdict.void)
-        start, end = spans[verification.rank]
-        for index in verification.own_void:
-            a, b = chunk_bounds(end - start, verification.config.chunk_numel)[index]
-            result[start + a : start + b] = flat[start + a : start + b]
 
     # --- serving other members ------------------------------------------------------------------------------
 

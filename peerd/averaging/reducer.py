@@ -54,13 +54,15 @@ class SpanReducer:
         residual: torch.Tensor | None = None,
         own_residual: torch.Tensor | None = None,
         agreeing: bool = False,
+        watched: frozenset[str] = frozenset(),
     ) -> None:
         """``out`` receives the coded average of the span (the caller's slice of its result); ``record`` keeps
         what the span's statement and challenges need (this peer's own row is coded into ``record.own_row``);
         ``residual``, if given, carries what coding the average dropped into this peer's next average of the
         same elements; ``own_residual``, if given, is added to ``own`` before it is coded, and receives what
         coding drops of it, as a sender's residual does. ``agreeing``: the members' rows are meant to be
-        identical (aggregation.combine)."""
+        identical (aggregation.combine). ``watched``: members seen absent lately (absences.py), each waited for
+        ``averaging.join_timeout`` a chunk beyond the rest, not the round's timeout."""
         self.residual, self.own_residual = residual, own_residual
         self.record = record
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
@@ -78,6 +80,9 @@ class SpanReducer:
         self.payloads: list[bytearray | None] = [None for _ in self.chunks]
         self.ready = [asyncio.Event() for _ in self.chunks]
         self.excluded: dict[str, str] = {}
+        self.late: set[str] = set()  # excluded for keeping the span waiting: at its timeout, or a watched one
+        self.watched = watched & senders
+        self._timers: dict[int, asyncio.TimerHandle] = {}
         self.serving: set[str] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -97,6 +102,7 @@ class SpanReducer:
             self.robust.claims[peer_id] = weight
         for index in range(len(self.chunks)):
             self._maybe_finalize(index)
+        self._watch(0)
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
 
@@ -117,6 +123,23 @@ class SpanReducer:
             self.out[start:end] = self.own[start:end]  # as for any failed span: this peer's own values
         finally:
             self.ready[index].set()  # a chunk without payload is answered INTERNAL_ERROR
+            if index + 1 < len(self.chunks):
+                self._watch(index + 1)
+
+    def _watch(self, index: int) -> None:
+        """Gives the watched members ``join_timeout`` for chunk ``index`` once only they are missing from it and
+        the chunk before is averaged: one that trails the rest by more is left out, as the timeout would."""
+        waiting = self.pending[index]
+        if (not waiting or not waiting <= self.watched or index in self._timers or self._closed
+                or index > 0 and not self.ready[index - 1].is_set()):
+            return
+        grace = self.config.join_timeout
+        self._timers[index] = asyncio.get_running_loop().call_later(grace, self._behind, index, grace)
+
+    def _behind(self, index: int, grace: float) -> None:
+        for sender in sorted(self.pending[index] & self.watched):
+            self.late.add(sender)
+            self.exclude(sender, f"seen absent lately, and still {grace:.1f}s behind the rest with chunk {index}")
 
     def _start(self, index: int) -> None:
         """Seeds chunk ``index``'s sum with this peer's weighted row, once; under ``_sum_lock``."""
@@ -178,6 +201,7 @@ class SpanReducer:
         for index, waiting in enumerate(self.pending):
             waiting.discard(sender)
             self._maybe_finalize(index)
+            self._watch(index)
 
     async def finish(self, timeout: float) -> None:
         """Waits until every chunk is averaged and the span's statement signed; after ``timeout`` the members
@@ -186,6 +210,7 @@ class SpanReducer:
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in self.ready)), timeout)
         except TimeoutError:
             for sender in sorted(set().union(*self.pending)):
+                self.late.add(sender)
                 self.exclude(sender, f"contribution incomplete after {timeout:.1f}s")
             await asyncio.gather(*(event.wait() for event in self.ready))
         if self.robust is not None:
@@ -208,6 +233,8 @@ class SpanReducer:
 
     def close(self) -> None:
         self._closed = True
+        for timer in self._timers.values():
+            timer.cancel()
         for task in self._tasks:
             task.cancel()
         for event in self.ready:
@@ -261,3 +288,4 @@ class SpanReducer:
             return
         self.pending[index].discard(sender)
         self._maybe_finalize(index)
+        self._watch(index)

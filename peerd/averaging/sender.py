@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field
 
 import blake3
@@ -22,6 +22,7 @@ from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
+from peerd.averaging.verify.challenge import challenge
 from peerd.averaging.verify.payloads import envelope, scheme_of, sent_count, view
 from peerd.averaging.verify.round import RoundVerification
 from peerd.averaging.verify.samples import OwnRow
@@ -38,6 +39,7 @@ from peerd.wire.guard import StreamGuard
 logger = logging.getLogger(__name__)
 
 Coded = tuple[bytearray, float, bytes, torch.Tensor]  # payload, norm, hash, envelope
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 @dataclass
@@ -63,6 +65,10 @@ class SpanExchange:
     errors: list[float] = field(default_factory=list)
     # a span that passed its checks and drew an audit: its stream, left open for `audit` after the round
     audit_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    # set by the round for a reducer seen absent lately that is still behind the rest of it (absences.py)
+    give_up: asyncio.Event = field(default_factory=asyncio.Event)
+    exchanged: asyncio.Event = field(default_factory=asyncio.Event)  # the averages are in, or never will be
+    late = False  # the exchange ended for keeping this member waiting: timed out, or given up on
 
     def __post_init__(self) -> None:
         start, end = self.span
@@ -84,14 +90,16 @@ class SpanExchange:
         try:
             try:
                 # the reducer itself may wait round_timeout for a slow member before it averages a chunk
-                stream = await asyncio.wait_for(self._exchange(),
-                                                self.config.round_timeout + self.config.join_timeout)
+                stream = await self._until_given_up(asyncio.wait_for(
+                    self._exchange(), self.config.round_timeout + self.config.join_timeout))
             finally:
+                self.exchanged.set()
                 await self.verification.row_done(self.index)  # sealed, or it never will be
             if await self._verify(*stream):
                 self.audit_stream, stream = stream, None  # kept open for `audit`
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
-            reason = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            self.late = isinstance(e, asyncio.TimeoutError)
+            reason = str(e) or "timed out" if self.late else f"{type(e).__name__}: {e}"
             logger.warning("Round %s: reducer %s of span %d failed: %s", self.group.round_id, self.member,
                            self.index, reason)
             self.report.excluded.setdefault(self.member, reason)
@@ -103,8 +111,22 @@ class SpanExchange:
         for k, (a, b) in enumerate(self.chunks):
             if k not in self.received:
                 self.result[start + a : start + b] = self.flat[start + a : start + b]
-        if self.errors:
-            self.report.codec_error = max(self.report.codec_error, max(self.errors))
+        self.report.codec_error = max([self.report.codec_error, *self.errors])
+
+    async def _until_given_up(self, exchange: Awaitable[Stream]) -> Stream:
+        """``exchange``, or TimeoutError once ``give_up`` is set before it finished (its stream is closed)."""
+        task, given_up = asyncio.ensure_future(exchange), asyncio.ensure_future(self.give_up.wait())
+        try:
+            await asyncio.wait((task, given_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            given_up.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+        if task.cancelled():
+            raise TimeoutError(f"seen absent lately, and still {self.config.join_timeout:.1f}s behind the rest of "
+                               "the round")
+        return task.result()
 
     def _code(self, k: int) -> Coded:
         a, b = self.chunks[k]
@@ -118,8 +140,7 @@ class SpanExchange:
         return payload, norm, blake3.blake3(payload).digest(), bound
 
     def _encode(self, k: int) -> asyncio.Future[Coded]:
-        a, b = self.chunks[k]
-        return asyncio.ensure_future(run_chunk_work(b - a, self._code, k))
+        return asyncio.ensure_future(run_chunk_work(self.chunks[k][1] - self.chunks[k][0], self._code, k))
 
     async def _exchange(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         first = self._encode(0)  # coded while the stream opens
@@ -276,25 +297,4 @@ class SpanExchange:
 
     async def _challenge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          index: int) -> tuple[int, int]:
-        """Asks for the rows of chunk ``index`` and judges them (or the silence); bytes (sent, received)."""
-        v = self.verification
-        timeout = self.config.verification.timeout
-        sent = await write_verify(writer, pb.VerifyMessage(challenge=index))
-        received = 0
-        rows: dict[int, bytes] | None = None
-        try:
-            answer = await read_verify(reader, self.member, 3 * timeout)
-            received += frame_size(answer.ByteSize())
-            if answer.WhichOneof("body") == "answer" and answer.answer.ok and answer.answer.chunk_index == index:
-                a, b = self.chunks[index]
-                rows = {}
-                for rank in v.statements[self.index].chunks[index].included:
-                    async with asyncio.timeout(timeout):
-                        rows[rank] = await read_frame(reader, max_payload_bytes(b - a), self.member, "revealed row")
-                    received += frame_size(len(rows[rank]))
-        except (ProtocolViolation, TimeoutError, ConnectionError, OSError) as e:
-            logger.warning("Round %s: %s did not answer the challenge of span %d: %s", self.group.round_id,
-                           self.member, self.index, e)
-            rows = None
-        await v.judge(self.index, index, rows)
-        return sent, received
+        return await challenge(self.verification, self.index, self.member, self.chunks, reader, writer, index)

@@ -62,6 +62,8 @@ class TrainingReport:
     transfers: Callable[[], dict[str, Any]] | None = None
     # peers this one excludes from averaging, and why (the all-reduce's ban list), read when reporting
     bans: Callable[[], dict[str, Any]] | None = None
+    # members that kept a round of this one's waiting, watched in its rounds (averaging.absences), read likewise
+    absences: Callable[[], dict[str, Any]] | None = None
     # what this trainer believes of the others' claims (peerd.training.joining), read when reporting
     claims: Callable[[], dict[str, Any]] | None = None
     bytes_sent: int = 0
@@ -241,5 +243,6 @@ class TrainingReport:
             "round_durations": self.round_durations.as_dict(),
             "state_transfer": self.transfers() if self.transfers is not None else None,
             "banned_peers": self.bans() if self.bans is not None else {},
+            "watched_peers": self.absences() if self.absences is not None else {},
             "claims": self.claims() if self.claims is not None else None,
         }

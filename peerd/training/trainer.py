@@ -96,7 +96,7 @@ class CollaborativeTrainer:
         self._template = self.mode.template()
         self.report.transfers = lambda: {"download": self.joining.downloader.status(),
                                          "serve": self.state_server.status()}
-        self.report.bans = self.reducer.bans.status
+        self.report.bans, self.report.absences = self.reducer.bans.status, self.reducer.absences.status
         self.report.claims = self.joining.status
         self._batches: Iterator[Batch] = task.train_batches()
 

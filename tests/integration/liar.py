@@ -13,19 +13,26 @@ import asyncio
 import contextlib
 import json
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
+from peerd.averaging.allreduce import AllReducer
+from peerd.averaging.group import Group, RoundReport
+from peerd.bounded import remember
 from peerd.cli import main
 from peerd.errors import PeerdError
+from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.swarm import node
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordSigner
+from peerd.wire.frames import read_message
 from peerd.wire.membership import Membership, load_secret
 from tests.integration import undefended
 
@@ -146,7 +153,41 @@ def _pairs() -> None:
     _haunt_rounds(lambda t: t - 5.0, pairs=True)
 
 
+def _absent() -> None:
+    """Registers and is grouped like any member, and never takes part: it sends no contribution, and holds every
+    stream opened to it as a reducer, unanswered, until its sender gives up. Its round ends when the last of them
+    has, so that its trainer keeps pace with the others' and it is grouped in every round they average in."""
+    given_up: OrderedDict[str, set[str]] = OrderedDict()  # round -> the members whose streams to it closed
+    closed = asyncio.Condition()
+
+    async def hold(self: AllReducer, info: object, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await read_message(reader, pb.ReduceRequest, "?")
+            while await reader.read(1 << 16):  # whatever it sends, until it closes the stream
+                pass
+        except (PeerdError, ConnectionError, OSError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+        async with closed:
+            remember(given_up, request.round_id, {*given_up.get(request.round_id, set()), str(getattr(info, "peer_id", "?"))}, 64)
+            closed.notify_all()
+
+    async def all_reduce(self: AllReducer, group: Group, flat: torch.Tensor, weight: float,
+                         *args: Any, **kwargs: Any) -> tuple[torch.Tensor, RoundReport]:
+        others = len(group.members) - 1
+        with contextlib.suppress(TimeoutError):
+            async with closed, asyncio.timeout(2 * self.config.round_timeout):
+                await closed.wait_for(lambda: len(given_up.get(group.round_id, ())) >= others)
+        return flat.clone(), RoundReport(group.round_id, len(group.members))
+
+    AllReducer._handle_stream = hold  # type: ignore[method-assign]
+    AllReducer.all_reduce = all_reduce  # type: ignore[method-assign]
+
+
 LIES: dict[str, Callable[[], None]] = {
+    "absent": _absent,
     "pairs": _pairs,
     "expirations": _far_expirations,
     "time-zero": _time_zero,
