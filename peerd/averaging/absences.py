@@ -9,8 +9,10 @@ evidence.
 What this peer does with what it saw itself: a member it waited out (left out at a round's timeout, by its own
 reducer or as a reducer its exchange gave up on) is *watched* in its later rounds for ``ABSENT_SECONDS``. A
 watched member is waited for only ``averaging.join_timeout`` beyond the rest: a chunk of its contribution that
-arrives that long after every other member's, or an exchange with it still unfinished that long after the rest
-of the round, is left out of this round, as the timeout would have left it out. It is not excluded: a watched
+arrives that long after every other member's, or its span's average still missing that long after every other
+span's, is left out of this round, as the timeout would have left it out (and its span's average is not waited
+for at all once its contribution to this peer's span was left out so in the same round: no span's average
+exists before its contributions do, so the two waits would only add up). It is not excluded: a watched
 member that keeps pace is averaged with as before, and the first round it completes ends the watch. So a liar
 that makes an honest member look absent once (by splitting a round's decision) costs that member nothing
 unless it also falls behind the rest of its group.

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import torch
 
@@ -168,10 +168,9 @@ class AllReducer:
             if i != rank
         ]
         try:
-            deadline = self.config.round_timeout
             # the exchanges' verification waits for the other members: up to a few verification timeouts more
-            limit = deadline + self.config.join_timeout + 5.0 + 6 * self.config.verification.timeout
-            await asyncio.wait_for(self._exchange(reducer.finish(deadline), exchanges, watched), limit)
+            limit = self.config.round_timeout + self.config.join_timeout + 5.0 + 6 * self.config.verification.timeout
+            await asyncio.wait_for(self._exchange(reducer, exchanges, watched), limit)
             await reducer.answered(self.config.join_timeout)
             late = {e.member: "never answered as the reducer of its span" for e in exchanges if e.late}
             late.update({m: "sent no complete contribution to this peer's span in time" for m in reducer.late})
@@ -192,17 +191,19 @@ class AllReducer:
         report.duration = time.monotonic() - started
         return result, report
 
-    async def _exchange(self, own: Awaitable[None], exchanges: list[SpanExchange], watched: set[str]) -> None:
-        """Runs this peer's span (``own``) and its exchanges; once every other span's averages are in, the
-        watched reducers get ``join_timeout`` for theirs, then are given up on."""
-        runs = [asyncio.ensure_future(own), *(asyncio.ensure_future(exchange.run()) for exchange in exchanges)]
+    async def _exchange(self, reducer: SpanReducer, exchanges: list[SpanExchange], watched: set[str]) -> None:
+        """Runs this peer's span and its exchanges. Once every other span's averages are in, a watched reducer
+        that fell behind with its contribution to our span in this very round is given up on at once, and the
+        other watched ones get ``join_timeout`` for their averages."""
+        runs = [asyncio.ensure_future(reducer.finish(self.config.round_timeout)),
+                *(asyncio.ensure_future(exchange.run()) for exchange in exchanges)]
         later = [exchange for exchange in exchanges if exchange.member in watched]
         try:
             if later:
                 await asyncio.gather(runs[0], *(e.exchanged.wait() for e in exchanges if e.member not in watched))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.config.join_timeout):
-                        await asyncio.gather(*(exchange.exchanged.wait() for exchange in later))
+                        await asyncio.gather(*(e.exchanged.wait() for e in later if e.member not in reducer.late))
                 for exchange in later:
                     if not exchange.exchanged.is_set():
                         exchange.give_up.set()

@@ -153,7 +153,8 @@ class Matchmaker:
             if first == me and (time.monotonic() >= started + window or len(state.times) >= target):
                 groups = await self._decide(state, lifetime)
                 break
-            if first != me and time.monotonic() > state.deadline(first):
+            # a leader whose decision is in waits for its registrations; `_final` refuses it past its deadline
+            if first != me and first not in state.decisions and time.monotonic() > state.deadline(first):
                 fallbacks += 1
                 self._skip(first, f"{key}: leader {first} did not decide within "
                                   f"{time.monotonic() - started:.1f}s of this peer's registration")

@@ -124,8 +124,7 @@ class SpanExchange:
                 task.cancel()
                 await asyncio.wait((task,))
         if task.cancelled():
-            raise TimeoutError(f"seen absent lately, and still {self.config.join_timeout:.1f}s behind the rest of "
-                               "the round")
+            raise TimeoutError("seen absent lately, and behind the rest of the round")
         return task.result()
 
     def _code(self, k: int) -> Coded:

@@ -63,8 +63,8 @@ def test_a_member_that_never_takes_part_costs_a_round_join_timeout_not_its_timeo
     assert all(defended["third"] in watched for watched in defended["watched"]), defended
     assert not set(defended["honest"]) & set().union(*defended["watched"]), defended
     assert not set().union(*usual["watched"]), usual
-    # waited for until the round's timeout, it slows them much more than when watched (30 s a round against 12 s
-    # here; the window holds few of either, hence the margin)
+    # waited for until the round's timeout, it slows them much more than when watched (30 s a round against about
+    # 6 s here; the window holds few of either, hence the margin)
     for slow, watched, free in zip(undefended["steps_per_minute"], defended["steps_per_minute"],
                                    usual["steps_per_minute"]):
-        assert slow * 1.5 <= watched < free, (undefended, defended, usual)
+        assert slow * 3 <= watched < free, (undefended, defended, usual)
