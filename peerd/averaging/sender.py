@@ -64,7 +64,7 @@ class SpanExchange:
     included: dict[int, bool] = field(default_factory=dict)  # chunks the reducer included -> average is SPARSE8
     errors: list[float] = field(default_factory=list)
     # a span that passed its checks and drew an audit: its stream, left open for `audit` after the round
-    audit_stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    audit_stream: Stream | None = None
     # set by the round for a reducer seen absent lately that is still behind the rest of it (absences.py)
     give_up: asyncio.Event = field(default_factory=asyncio.Event)
     exchanged: asyncio.Event = field(default_factory=asyncio.Event)  # the averages are in, or never will be
@@ -86,7 +86,7 @@ class SpanExchange:
         self.counts: list[int] = []
 
     async def run(self) -> None:
-        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        stream: Stream | None = None
         try:
             try:
                 # the reducer itself may wait round_timeout for a slow member before it averages a chunk
@@ -98,8 +98,9 @@ class SpanExchange:
             if await self._verify(*stream):
                 self.audit_stream, stream = stream, None  # kept open for `audit`
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
-            self.late = isinstance(e, asyncio.TimeoutError)
-            reason = str(e) or "timed out" if self.late else f"{type(e).__name__}: {e}"
+            timed_out = isinstance(e, asyncio.TimeoutError)
+            self.late = timed_out and stream is None  # kept us waiting for its averages, not for its checks
+            reason = (str(e) or "timed out") if timed_out else f"{type(e).__name__}: {e}"
             logger.warning("Round %s: reducer %s of span %d failed: %s", self.group.round_id, self.member,
                            self.index, reason)
             self.report.excluded.setdefault(self.member, reason)
@@ -141,7 +142,7 @@ class SpanExchange:
     def _encode(self, k: int) -> asyncio.Future[Coded]:
         return asyncio.ensure_future(run_chunk_work(self.chunks[k][1] - self.chunks[k][0], self._code, k))
 
-    async def _exchange(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _exchange(self) -> Stream:
         first = self._encode(0)  # coded while the stream opens
         try:
             reader, writer = await self.guard.open(self.member, self.handler)
