@@ -42,7 +42,6 @@ class Absences:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds, self.limit, self.clock = seconds, limit, clock
         self._until: OrderedDict[str, tuple[float, str]] = OrderedDict()  # peer -> (watched until, why)
-        self.total = 0  # watches ever started, for metrics
 
     def watched(self, members: Iterable[str]) -> set[str]:
         """Those of ``members`` watched now."""
@@ -53,7 +52,6 @@ class Absences:
         """``member`` kept this peer waiting out a round: watched for the next ``seconds``."""
         if member not in self.watched([member]):
             logger.warning("Watching %s in this peer's rounds for %.0f s: %s", member, self.seconds, why)
-            self.total += 1
         remember(self._until, member, (self.clock() + self.seconds, why[:300]), self.limit)
 
     def kept_pace(self, member: str) -> None:
