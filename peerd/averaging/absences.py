@@ -8,11 +8,12 @@ evidence.
 
 What this peer does with what it saw itself: a member it waited out (left out at a round's timeout, by its own
 reducer or as a reducer its exchange gave up on) is *watched* in its later rounds for ``ABSENT_SECONDS``. A
-watched member is waited for only ``averaging.join_timeout`` beyond the rest: a chunk of its contribution that
-arrives that long after every other member's, or its span's average still missing that long after every other
-span's, is left out of this round, as the timeout would have left it out (and its span's average is not waited
-for at all once its contribution to this peer's span was left out so in the same round: no span's average
-exists before its contributions do, so the two waits would only add up). It is not excluded: a watched
+watched member is waited for only a ``grace`` beyond the rest: as long again as the rest took, at least a fifth
+of ``averaging.join_timeout`` and at most all of it. A chunk of its contribution that arrives that long after
+every other member's, or its span's average still missing that long after every other span's, is left out of
+this round, as the timeout would have left it out (and its span's average is not waited for at all once its
+contribution to this peer's span was left out so in the same round: no span's average exists before its
+contributions do, so the two waits would only add up). It is not excluded: a watched
 member that keeps pace is averaged with as before, and the first round it completes ends the watch. So a liar
 that makes an honest member look absent once (by splitting a round's decision) costs that member nothing
 unless it also falls behind the rest of its group.
@@ -29,12 +30,20 @@ from typing import Any
 from peerd.averaging.group import Group
 from peerd.bounded import remember
 
-__all__ = ["ABSENT_SECONDS", "Absences"]
+__all__ = ["ABSENT_SECONDS", "Absences", "grace"]
 
 logger = logging.getLogger(__name__)
 
 ABSENT_SECONDS = 300.0  # as long as a silent leader is passed over (matchmaking.SKIP_SECONDS)
 MAX_ABSENT = 1024
+MIN_GRACE = 0.2  # of join_timeout: members of one round learn of it, and start, at slightly different times
+
+
+def grace(elapsed: float, join_timeout: float) -> float:
+    """Seconds a watched member is waited for beyond the rest of its round, which took ``elapsed`` seconds to get
+    this far. Scaled to the round, so that a watched member keeping pace on slow links is not left out, while one
+    that never comes costs a round of fast links little more than the round itself."""
+    return min(join_timeout, max(MIN_GRACE * join_timeout, elapsed))
 
 
 class Absences:

@@ -19,7 +19,8 @@ bounded, expiring list) on evidence: left out of every later group this peer ave
 stream; the evidence goes to the round's other members (evidence.py), who check it themselves.
 
 A member this peer waited out in a recent round (it sent nothing, or never answered as a reducer) is watched
-(absences.py): it gets ``averaging.join_timeout`` beyond the rest of the round, not the round's timeout.
+(absences.py): it gets a grace beyond the rest of the round (as long again as the rest took, at most
+``averaging.join_timeout``), not the round's timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from peerd.averaging.absences import Absences
+from peerd.averaging.absences import Absences, grace
 from peerd.averaging.audits import Audits
 from peerd.averaging.evidence import EvidenceDesk
 from peerd.averaging.group import Group, RoundReport, is_state_round
@@ -194,7 +195,8 @@ class AllReducer:
     async def _exchange(self, reducer: SpanReducer, exchanges: list[SpanExchange], watched: set[str]) -> None:
         """Runs this peer's span and its exchanges. Once every other span's averages are in, a watched reducer
         that fell behind with its contribution to our span in this very round is given up on at once, and the
-        other watched ones get ``join_timeout`` for their averages."""
+        other watched ones get a ``grace`` for their averages."""
+        began = time.monotonic()
         runs = [asyncio.ensure_future(reducer.finish(self.config.round_timeout)),
                 *(asyncio.ensure_future(exchange.run()) for exchange in exchanges)]
         later = [exchange for exchange in exchanges if exchange.member in watched]
@@ -202,7 +204,7 @@ class AllReducer:
             if later:
                 await asyncio.gather(runs[0], *(e.exchanged.wait() for e in exchanges if e.member not in watched))
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.config.join_timeout):
+                    async with asyncio.timeout(grace(time.monotonic() - began, self.config.join_timeout)):
                         await asyncio.gather(*(e.exchanged.wait() for e in later if e.member not in reducer.late))
                 for exchange in later:
                     if not exchange.exchanged.is_set():

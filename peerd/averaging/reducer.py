@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import torch
 
+from peerd.averaging.absences import grace
 from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
@@ -62,7 +64,7 @@ class SpanReducer:
         same elements; ``own_residual``, if given, is added to ``own`` before it is coded, and receives what
         coding drops of it, as a sender's residual does. ``agreeing``: the members' rows are meant to be
         identical (aggregation.combine). ``watched``: members seen absent lately (absences.py), each waited for
-        ``averaging.join_timeout`` a chunk beyond the rest, not the round's timeout."""
+        a ``grace`` a chunk beyond the rest, not the round's timeout."""
         self.residual, self.own_residual = residual, own_residual
         self.record = record
         self.group, self.rank, self.config, self.codec_config = group, rank, config, codec_config
@@ -83,6 +85,7 @@ class SpanReducer:
         self.late: set[str] = set()  # excluded for keeping the span waiting: at its timeout, or a watched one
         self.watched = watched & senders
         self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._began = time.monotonic()
         self.serving: set[str] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -127,19 +130,19 @@ class SpanReducer:
                 self._watch(index + 1)
 
     def _watch(self, index: int) -> None:
-        """Gives the watched members ``join_timeout`` for chunk ``index`` once only they are missing from it and
-        the chunk before is averaged: one that trails the rest by more is left out, as the timeout would."""
+        """Gives the watched members a ``grace`` for chunk ``index`` once only they are missing from it and the
+        chunk before is averaged: one that trails the rest by more is left out, as the timeout would."""
         waiting = self.pending[index]
         if (not waiting or not waiting <= self.watched or index in self._timers or self._closed
                 or index > 0 and not self.ready[index - 1].is_set()):
             return
-        grace = self.config.join_timeout
-        self._timers[index] = asyncio.get_running_loop().call_later(grace, self._behind, index, grace)
+        wait = grace(time.monotonic() - self._began, self.config.join_timeout)
+        self._timers[index] = asyncio.get_running_loop().call_later(wait, self._behind, index, wait)
 
-    def _behind(self, index: int, grace: float) -> None:
+    def _behind(self, index: int, wait: float) -> None:
         for sender in sorted(self.pending[index] & self.watched):
             self.late.add(sender)
-            self.exclude(sender, f"seen absent lately, and still {grace:.1f}s behind the rest with chunk {index}")
+            self.exclude(sender, f"seen absent lately, and still {wait:.1f}s behind the rest with chunk {index}")
 
     def _start(self, index: int) -> None:
         """Seeds chunk ``index``'s sum with this peer's weighted row, once; under ``_sum_lock``."""

@@ -1,5 +1,6 @@
-"""Members seen absent (peerd.averaging.absences): the book of them, and a reducer's wait for them, which is
-``join_timeout`` beyond the rest instead of the round's timeout; no network: chunks are handed to the reducer."""
+"""Members seen absent (peerd.averaging.absences): the book of them, and a reducer's wait for them, which is a
+grace beyond the rest (as long again as the rest took, within a fifth of ``join_timeout`` and all of it) instead
+of the round's timeout; no network: chunks are handed to the reducer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from peerd.averaging.absences import Absences
+from peerd.averaging.absences import Absences, grace
 from peerd.averaging.group import Group
 from peerd.averaging.reducer import SpanReducer
 from peerd.config import AveragingConfig, CodecConfig
@@ -25,8 +26,8 @@ ME, OTHER, ABSENT = (signer.peer_id for signer in signers(3))
 GROUP = Group("round", (ME, OTHER, ABSENT))
 
 
-def make_reducer(watched: frozenset[str]) -> SpanReducer:
-    return reducers.make_reducer(GROUP, torch.zeros(2048), 1.0, CONFIG, CODEC, torch.empty(2048), watched=watched)
+def make_reducer(watched: frozenset[str], config: AveragingConfig = CONFIG) -> SpanReducer:
+    return reducers.make_reducer(GROUP, torch.zeros(2048), 1.0, config, CODEC, torch.empty(2048), watched=watched)
 
 
 def deliver(reducer: SpanReducer, sender: str, index: int, value: float) -> None:
@@ -52,6 +53,26 @@ def test_a_watched_member_that_sends_nothing_is_left_out_once_the_rest_is_in() -
         assert reducer.late == {ABSENT} and "seen absent lately" in reducer.excluded[ABSENT]
         assert reducer.included == [{ME, OTHER}, {ME, OTHER}]
         assert torch.allclose(reducer.out, torch.full((2048,), 1.5), atol=0.05)  # (0 + 3) / 2
+        reducer.close()
+
+    asyncio.run(body())
+
+
+def test_the_grace_is_as_long_again_as_the_rest_took_within_a_fifth_of_join_timeout_and_all_of_it() -> None:
+    assert grace(0.01, join_timeout=5.0) == pytest.approx(1.0)  # a fast round: members start at different times
+    assert grace(2.5, join_timeout=5.0) == pytest.approx(2.5)
+    assert grace(60.0, join_timeout=5.0) == pytest.approx(5.0)
+
+
+def test_a_watched_member_that_sends_nothing_to_a_fast_round_costs_it_less_than_join_timeout() -> None:
+    async def body() -> None:
+        config = CONFIG.model_copy(update={"join_timeout": 10.0})
+        reducer = make_reducer(frozenset({ABSENT}), config)
+        deliver(reducer, OTHER, 0, 3.0)
+        deliver(reducer, OTHER, 1, 3.0)
+        # the rest took no time: the grace is a fifth of join_timeout (2 s), well within join_timeout
+        await asyncio.wait_for(averaged(reducer), 8.0)
+        assert reducer.late == {ABSENT} and "2.0s behind" in reducer.excluded[ABSENT]
         reducer.close()
 
     asyncio.run(body())
