@@ -1,11 +1,13 @@
 """What the tests share: the repository's paths, the transports, peers started and always reaped, p2pd daemons in
 this process, the remote-MoE swarm's config, training states to transfer, and short reads of a peer's status.
 
-Test modules import from here, never from each other or from conftest.py (which holds only fixtures)."""
+Test modules import from here (and the attack tests their swarms from tests/integration/swarms.py), never from
+each other or from conftest.py (which holds only fixtures)."""
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CONFIG = REPO / "configs" / "local.yaml"
+# the environment of a peer run from a patched module under tests/ (a liar, a defence off): it imports the repository
+PATCHED_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 # The libp2p transports peerd supports (``swarm.host_maddrs``), as loopback listen addresses for tests that run over
 # each. QUIC is the stricter one: it drops whatever a stream closed with input unread still held.

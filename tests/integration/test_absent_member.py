@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from peerd.launcher import wait_for
-from tests.helpers import training
-from tests.integration.test_member_lies import SYNTHETIC, honest_peer, private, spawn
+from tests.helpers import SYNTHETIC, training
+from tests.integration.swarms import honest_peer, private, spawn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -15,13 +15,12 @@ against 3.8 over 30 steps). On one shard they agree within 0.01.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from peerd.launcher import LocalSwarm, wait_for
-from tests.helpers import MOE_CONFIG, REPO, called, experts_option, training, validations
+from tests.helpers import MOE_CONFIG, PATCHED_ENV, called, experts_option, training, validations
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -36,11 +35,10 @@ def run(log_dir: Path, liar: bool, bounded: bool = True) -> tuple[float, dict[st
     log_dir.mkdir(parents=True)
     config = log_dir / "moe.yaml"
     config.write_text(MOE_CONFIG)
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     third = experts_option(2, 2)
     if liar:
         third = third[:-1] + LIAR
-    with LocalSwarm(config, log_dir=log_dir, env=env) as swarm:
+    with LocalSwarm(config, log_dir=log_dir, env=PATCHED_ENV) as swarm:
         honest = swarm.add_peer([*HOST, "-o", f"experts={experts_option(1, 1)}"], timeout=90)
         hosts = {honest.peer_id: "honest", swarm.add_peer([*HOST, "-o", f"experts={third}"], timeout=90).peer_id: "third"}
         # both experts of every token answer before the layer goes on (not the trainer's own first, then 50 ms

@@ -17,7 +17,6 @@ are refused and the honest call waits its turn and is answered.
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ from peerd.wire import codec
 from peerd.wire.frames import read_frame, read_message, write_frame, write_message
 from peerd.wire.guard import StreamGuard
 from peerd.wire.membership import Membership
-from tests.helpers import MOE_CONFIG, MOE_HIDDEN, REPO, experts, host_args
+from tests.helpers import MOE_CONFIG, MOE_HIDDEN, PATCHED_ENV, experts, host_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -151,8 +150,7 @@ def flood(tmp_path: Path, shared: bool) -> tuple[list[str], str]:
     args = ["-o", "training.enabled=false", "-o", f"experts={experts_section}", "-o", "swarm.roles=[expert_host]"]
     if shared:
         args += ["-o", f"experts.max_queued_tokens_per_caller={QUEUE}"]
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with LocalSwarm(config, log_dir=tmp_path, env=env) as swarm:
+    with LocalSwarm(config, log_dir=tmp_path, env=PATCHED_ENV) as swarm:
         host = swarm.add_peer(args, timeout=90)
 
         def queued() -> int:

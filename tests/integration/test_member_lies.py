@@ -27,37 +27,21 @@ from typing import Any
 
 import pytest
 
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from peerd.wire.membership import generate_secret
-from tests.helpers import EXPERTS_TTL, LOCAL_CONFIG, MOE_CONFIG, REPO, calls_to, host_args, training
+from peerd.launcher import PeerProcess, wait_for
+from tests.helpers import (
+    EXPERTS_TTL,
+    LOCAL_CONFIG,
+    MOE_CONFIG,
+    PATCHED_ENV,
+    REPO,
+    SYNTHETIC,
+    calls_to,
+    host_args,
+    training,
+)
+from tests.integration.swarms import honest_peer, private, spawn
 
 pytestmark = pytest.mark.integration
-
-SYNTHETIC = REPO / "configs" / "synthetic.yaml"
-ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-
-
-def spawn(swarm: LocalSwarm, name: str, module: str = "peerd", extra: tuple[str, ...] = ()) -> PeerProcess:
-    args = ["--config", str(swarm.config_path), "--control-port", "0", *swarm.extra_args, *extra]
-    if swarm.peers:
-        args += ["--initial-peers", swarm.peers[0].ready["maddrs"][0]]
-    peer = PeerProcess(name, args, swarm.log_dir, env=ENV, module=module)
-    swarm.peers.append(peer)
-    return peer
-
-
-def honest_peer(swarm: LocalSwarm, name: str, undefended: str | None) -> PeerProcess:
-    if undefended is None:
-        return spawn(swarm, name)
-    return spawn(swarm, name, "tests.integration.undefended", ("--undefended", undefended))
-
-
-def private(config: Path, log_dir: Path, *extra: str) -> LocalSwarm:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    secret = log_dir / "swarm.secret"
-    generate_secret(secret)
-    return LocalSwarm(config, log_dir=log_dir, extra_args=["--swarm-secret", str(secret), *extra])
-
 
 # --- matchmaking ------------------------------------------------------------------------------------------------
 
@@ -156,7 +140,7 @@ def flooded(log_dir: Path, undefended: bool) -> tuple[bool, dict[str, int]]:
         flooder = subprocess.Popen(
             [sys.executable, "-m", "tests.integration.liar", "flood", first.ready["maddrs"][0], "peerd-local.peers",
              str(log_dir / "swarm.secret"), str(log_dir / "flooder.key")],
-            stdout=subprocess.PIPE, stderr=log, cwd=REPO, env={**os.environ, **ENV})
+            stdout=subprocess.PIPE, stderr=log, cwd=REPO, env={**os.environ, **PATCHED_ENV})
         try:
             assert flooder.stdout is not None
             flooder.stdout.readline()
@@ -164,7 +148,7 @@ def flooded(log_dir: Path, undefended: bool) -> tuple[bool, dict[str, int]]:
             wait_for(lambda: time.monotonic() - flood_began > 5, 10, "5 s of the flood", 0.5)
             read = subprocess.run([sys.executable, "-m", "tests.integration.stranger", "read", first.ready["maddrs"][0],
                                    "peerd-local.peers"], capture_output=True, text=True, timeout=120, cwd=REPO,
-                                  env={**os.environ, **ENV}, check=True)
+                                  env={**os.environ, **PATCHED_ENV}, check=True)
             payloads = json.loads(read.stdout.strip().splitlines()[-1])["payloads"]
             got = {first.peer_id, second.peer_id} <= set(payloads)
             refused = first.status(timeout=30)["records_dropped"]

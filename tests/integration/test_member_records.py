@@ -22,11 +22,10 @@ import pytest
 
 from peerd.launcher import PeerProcess, wait_for
 from peerd.wire.membership import generate_secret
-from tests.helpers import LOCAL_CONFIG, REPO
+from tests.helpers import LOCAL_CONFIG, PATCHED_ENV, REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 RECORD_TTL = 8.0  # configs/local.yaml
 AFTERLIFE = RECORD_TTL + 3.0 + 12.0  # the longest a dead member's record may be listed, and some
 
@@ -36,7 +35,7 @@ def peer(name: str, log_dir: Path, secret: Path, module: str = "peerd", extra: t
     args = ["--config", str(LOCAL_CONFIG), "--control-port", "0", "--swarm-secret", str(secret), *extra]
     if join is not None:
         args += ["--initial-peers", join.ready["maddrs"][0]]
-    process = PeerProcess(name, args, log_dir, env=ENV, module=module)
+    process = PeerProcess(name, args, log_dir, env=PATCHED_ENV, module=module)
     process.wait_ready(90)
     return process
 
@@ -94,7 +93,7 @@ def stranger_reads(log_dir: Path, undefended: bool) -> tuple[str, bytes]:
         def read() -> bytes | None:
             out = subprocess.run([sys.executable, "-m", "tests.integration.stranger", "read", member.ready["maddrs"][0],
                                   "peerd-local.peers"], capture_output=True, text=True, timeout=60, cwd=REPO,
-                                 env={**os.environ, **ENV}, check=True)
+                                 env={**os.environ, **PATCHED_ENV}, check=True)
             payloads = json.loads(out.stdout.strip().splitlines()[-1])["payloads"]
             return b"".join(base64.b64decode(p) for p in payloads.values()) or None
 

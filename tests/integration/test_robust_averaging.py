@@ -15,7 +15,6 @@ threat), so the attacker must reduce nothing: it is first in the shard-ordered g
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validated_or_diverged, validation_loss
+from tests.helpers import LR, PATCHED_ENV, SHARE, SYNTHETIC, validated_or_diverged, validation_loss
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +48,7 @@ def spawn(swarm: LocalSwarm, shard: int, attacker: bool) -> PeerProcess:
         args += ["--initial-peers", swarm.peers[0].ready["maddrs"][0]]
     module = "tests.integration.attacker" if attacker else "peerd"
     peer = PeerProcess(f"peer{len(swarm.peers)}{'-attacker' if attacker else ''}", args, swarm.log_dir,
-                       env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+                       env=PATCHED_ENV,
                        module=module)
     swarm.peers.append(peer)
     return peer

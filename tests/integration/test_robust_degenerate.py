@@ -17,19 +17,17 @@ included (tests/integration/undefended.py): each peer checks its reducers' state
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import LR, REPO, SHARE, SYNTHETIC, validated_or_diverged, validation_loss
+from tests.helpers import LR, PATCHED_ENV, SHARE, SYNTHETIC, validated_or_diverged, validation_loss
 
 pytestmark = pytest.mark.integration
 
 STEPS = 30
-ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 MODULES = {"honest": "peerd", "sybil": "tests.integration.sybil", "attacker": "tests.integration.attacker"}
 
 
@@ -42,7 +40,7 @@ def spawn(swarm: LocalSwarm, shard: int, role: str, undefended: str | None) -> P
     if undefended is not None:  # the whole swarm without the defence, attackers included: they check it too
         module = "tests.integration.undefended" if role == "honest" else module
         args = [*args, "--undefended", undefended]
-    peer = PeerProcess(f"peer{shard}-{role}", args, swarm.log_dir, env=ENV, module=module)
+    peer = PeerProcess(f"peer{shard}-{role}", args, swarm.log_dir, env=PATCHED_ENV, module=module)
     swarm.peers.append(peer)
     return peer
 

@@ -12,18 +12,16 @@ the members average at close to their rate before it came, also when it answers 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import REPO, rounds, time_rounds
+from tests.helpers import PATCHED_ENV, REPO, rounds, time_rounds
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 SYNTHETIC = REPO / "configs" / "synthetic.yaml"
-ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 ROUNDS = 20
 
 
@@ -42,7 +40,7 @@ def run(log_dir: Path, defended: bool, delay: float = 4.5) -> tuple[float, float
         slow = PeerProcess("slow", ["--config", str(SYNTHETIC), "--control-port", "0", *args,
                                     "-o", "training.enabled=false",
                                     "--initial-peers", swarm.peers[0].ready["maddrs"][0]],
-                           log_dir, env={**ENV, "SLOW_DHT_SECONDS": str(delay)}, module="tests.integration.slow_dht")
+                           log_dir, env={**PATCHED_ENV, "SLOW_DHT_SECONDS": str(delay)}, module="tests.integration.slow_dht")
         swarm.peers.append(slow)
         slow.wait_ready(90)
         slow_id = slow.ready["peer_id"]

@@ -16,7 +16,6 @@ The attacker takes part in no round, so only its claims differ from the attack-f
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 
 from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from tests.helpers import REPO, training
+from tests.helpers import PATCHED_ENV, REPO, training
 from tests.integration.state_attacker import LEAD
 
 pytestmark = pytest.mark.integration
@@ -45,8 +44,7 @@ def spawn(swarm: LocalSwarm, name: str, module: str, shard: int, *extra: str,
         args += ["--undefended", "claims"]
     if swarm.peers:
         args += ["--initial-peers", swarm.peers[0].ready["maddrs"][0]]
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    peer = PeerProcess(name, args, swarm.log_dir, env={"PYTHONPATH": path, **(env or {})}, module=module)
+    peer = PeerProcess(name, args, swarm.log_dir, env={**PATCHED_ENV, **(env or {})}, module=module)
     swarm.peers.append(peer)
     return peer
 
