@@ -37,7 +37,6 @@ class BanList:
         self.config = config
         self.clock = clock
         self._bans: OrderedDict[str, Ban] = OrderedDict()
-        self.total = 0  # bans ever made, for metrics
 
     def ban(self, peer: str, reason: str, proven: bool) -> bool:
         """Bans ``peer``; True if it was not banned yet (a proof also upgrades a suspicion)."""
@@ -46,7 +45,6 @@ class BanList:
             return False
         seconds = self.config.ban_seconds if proven else self.config.suspect_seconds
         remember(self._bans, peer, Ban(reason[:500], proven, self.clock() + seconds), self.config.max_bans)
-        self.total += 1
         logger.warning("Excluding %s from averaging for %.0f s (%s): %s", peer, seconds,
                        "proven" if proven else "seen by this peer only", reason)
         return True
