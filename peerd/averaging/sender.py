@@ -1,9 +1,8 @@
 """A member's side of one reducer's span: its coded contribution goes out and the coded average comes back,
-chunk by chunk, on one stream; then, on the same stream, the span's verification (protocols/
-peerd_averaging.proto): the sender seals what it sent, takes the reducer's statement, reveals its seed share,
-sends its samples and, if the span fails its checks (or, by chance, to audit one that passed), challenges the
-reducer for the rows of a chunk. Chunks whose average never arrives, or is not applied, keep this member's own
-values; error feedback is carried only where the reducer included a chunk and its average is applied.
+chunk by chunk, on one stream (protocols/peerd_averaging.proto); then the sender seals what it sent, and the
+span's verification follows on the same stream (verify/member_side.py). Chunks whose average never arrives,
+or is not applied, keep this member's own values; error feedback is carried only where the reducer included a
+chunk and its average is applied.
 
 The next chunk is coded while the current one drains into p2pd, and the first one while the stream opens,
 so the uplink never waits for the codec."""
@@ -22,12 +21,12 @@ from peerd.averaging.compute import run_chunk_work
 from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
-from peerd.averaging.verify.challenge import challenge
+from peerd.averaging.verify.member_side import challenge, check_span
 from peerd.averaging.verify.payloads import envelope, scheme_of, sent_count, view
 from peerd.averaging.verify.round import RoundVerification
 from peerd.averaging.verify.samples import OwnRow
 from peerd.averaging.verify.statement import SEAL, seal_parts
-from peerd.averaging.verify.streams import read_verify, write_verify
+from peerd.averaging.verify.streams import write_verify
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -95,7 +94,7 @@ class SpanExchange:
             finally:
                 self.exchanged.set()
                 await self.verification.row_done(self.index)  # sealed, or it never will be
-            if await self._verify(*stream):
+            if await check_span(self.verification, self.index, self.member, self.chunks, *stream, self.report):
                 self.audit_stream, stream = stream, None  # kept open for `audit`
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
             timed_out = isinstance(e, asyncio.TimeoutError)
@@ -140,7 +139,8 @@ class SpanExchange:
         return payload, norm, blake3.blake3(payload).digest(), bound
 
     def _encode(self, k: int) -> asyncio.Future[Coded]:
-        return asyncio.ensure_future(run_chunk_work(self.chunks[k][1] - self.chunks[k][0], self._code, k))
+        a, b = self.chunks[k]
+        return asyncio.ensure_future(run_chunk_work(b - a, self._code, k))
 
     async def _exchange(self) -> Stream:
         first = self._encode(0)  # coded while the stream opens
@@ -236,65 +236,18 @@ class SpanExchange:
                 if sparse:  # a SPARSE8 average carries no residual: ours takes what it left out of our row
                     readd_left_out(carried[a:b], self.decoded[a:b], self.out[a:b])
 
-    async def _verify(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """The span's verification: statement in, seed share and samples out, the verdict, a challenge. True if
-        the span passed and drew an audit: what it applies is settled, so the audit waits for ``audit``, after
-        the round, and the round's time does not pay for a chunk's rows."""
-        v = self.verification
-        timeout = self.config.verification.timeout
-        message = await read_verify(reader, self.member, timeout, self.report)
-        if message.WhichOneof("body") != "statement":
-            raise ProtocolViolation(f"{self.member} sent no statement of its span", peer_id=self.member)
-        await v.statement_from(self.index, message.statement)
-        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
-        self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
-        # read while the verdict is drawn: the stream stays open until the reducer holds our samples
-        confirmed = asyncio.ensure_future(self._confirmed(reader))
-        try:
-            verdict = await v.verdict(self.index)
-        except BaseException:
-            confirmed.cancel()
-            raise
-        await confirmed
-        if verdict.challenge is None:
-            return False
-        if verdict.apply:
-            return True
-        sent, received = await self._challenge(reader, writer, verdict.challenge)
-        self.report.check_bytes_sent += sent
-        self.report.check_bytes_received += received
-        return False
-
-    async def _confirmed(self, reader: asyncio.StreamReader) -> None:
-        """Until the reducer says it read our seed share and samples, which other members' verdicts need: p2pd
-        resets a stream whose writer closes it, and over QUIC the reset drops what is still in flight. A reducer
-        that never says so (or says something else) is only waited for; its span's verdict does not depend on it."""
-        try:
-            message = await read_verify(reader, self.member, self.config.verification.timeout, self.report)
-        except (ProtocolViolation, TimeoutError, ConnectionError, OSError) as e:
-            logger.info("Round %s: %s did not confirm our samples for span %d: %s", self.group.round_id, self.member,
-                        self.index, e)
-            return
-        if message.WhichOneof("body") != "received":
-            logger.info("Round %s: %s sent %s where it confirms our samples for span %d", self.group.round_id,
-                        self.member, message.WhichOneof("body"), self.index)
-
     async def audit(self) -> tuple[int, int]:
         """Challenges the span's reducer for the rows of the chunk its verdict drew, on the stream ``run`` left
         open, and judges them; returns the bytes (sent, received). Never raises for the reducer's faults."""
         assert self.audit_stream is not None
         reader, writer = self.audit_stream
-        challenge = self.verification.verdicts[self.index].challenge
-        assert challenge is not None
+        chunk = self.verification.verdicts[self.index].challenge
+        assert chunk is not None
         try:
-            return await self._challenge(reader, writer, challenge)
+            return await challenge(self.verification, self.index, self.member, self.chunks, reader, writer, chunk)
         except (ConnectionError, OSError) as e:
             logger.warning("Round %s: could not audit span %d of %s: %s", self.group.round_id, self.index,
                            self.member, e)
             return 0, 0
         finally:
             writer.close()
-
-    async def _challenge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         index: int) -> tuple[int, int]:
-        return await challenge(self.verification, self.index, self.member, self.chunks, reader, writer, index)
