@@ -1,8 +1,9 @@
 """A member that is grouped and never takes part, with real processes (tests/integration/liar.py, lie
 ``absent``): it registers for every round like any member, sends no contribution and holds every stream opened
 to it as a reducer, unanswered. Each round it is grouped in waits for it: the round's timeout without the
-defence (tests/integration/undefended.py ``absences``), ``join_timeout`` beyond the rest with it, once each
-honest member has waited it out once (peerd.averaging.absences). Measured as the honest trainers' steps per
+defence (tests/integration/undefended.py ``absences``), a grace beyond the rest with it (as long again as the rest
+took, at least a fifth of ``join_timeout``), once each honest member has waited it out once
+(peerd.averaging.absences). Measured as the honest trainers' steps per
 minute over the same window, beside a swarm where the third member is honest."""
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def pace(log_dir: Path, third: str, undefended: str | None = None) -> dict[str, 
         return found
 
 
-def test_a_member_that_never_takes_part_costs_a_round_join_timeout_not_its_timeout(tmp_path: Path) -> None:
+def test_a_member_that_never_takes_part_costs_a_round_a_grace_not_its_timeout(tmp_path: Path) -> None:
     usual = pace(tmp_path / "usual", "honest")
     defended = pace(tmp_path / "defended", "absent")
     undefended = pace(tmp_path / "undefended", "absent", undefended="absences")
@@ -63,8 +64,8 @@ def test_a_member_that_never_takes_part_costs_a_round_join_timeout_not_its_timeo
     assert all(defended["third"] in watched for watched in defended["watched"]), defended
     assert not set(defended["honest"]) & set().union(*defended["watched"]), defended
     assert not set().union(*usual["watched"]), usual
-    # waited for until the round's timeout, it slows them much more than when watched (30 s a round against about
-    # 6 s here; the window holds few of either, hence the margin)
+    # waited for until the round's timeout, it slows them much more than when watched (30 s a round against under
+    # 2 s here; the window holds few of the former, hence the margin)
     for slow, watched, free in zip(undefended["steps_per_minute"], defended["steps_per_minute"],
                                    usual["steps_per_minute"]):
-        assert slow * 3 <= watched < free, (undefended, defended, usual)
+        assert slow * 5 <= watched < free, (undefended, defended, usual)
