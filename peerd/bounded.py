@@ -68,6 +68,12 @@ class PeerMedians:
         with self._lock:
             return self._medians.get(peer)
 
+    def mean(self, peer: str) -> float | None:
+        """The mean of ``peer``'s kept values (None if it is not in the table)."""
+        with self._lock:
+            kept = self._values.get(peer)
+            return statistics.fmean(kept) if kept else None
+
     def count(self, peer: str) -> int:
         """How many of ``peer``'s values are kept."""
         with self._lock:

@@ -9,8 +9,10 @@ Here a request waits at most ``swarm.dht_wait_ratio`` times the typical peer's a
 ``swarm.dht_wait_floor`` seconds (never more than ``swarm.request_timeout``). The typical time is a
 :class:`~peerd.bounded.PeerMedians` over the answers this node got: a peer has one vote however often it is
 asked, so a slow one does not raise the bound it is held to. An answer that does come in time but later than
-``dht_wait_ratio`` times the typical (and 0.1 s), from a peer whose median answer is as late, does not count
-either: a peer answering just under the floor is slow as a rule, not once. Either is a failure to hivemind, whose
+``dht_wait_ratio`` times the typical (and 0.1 s), from a peer whose median answer is as late, or whose earlier
+answers took as long on average, does not count either: a peer answering just under the floor is slow as a rule,
+not once, and so is one late in only some of its answers (two in five, in the test) but by enough to add as much
+to its requests on average. Either is a failure to hivemind, whose
 blacklist then skips that peer in lookups for 5 s, doubling while it stays slow (and stores, which hivemind sends
 to blacklisted peers too, skip it here); an honest peer that was slow for a moment is asked again after 5 s and
 forgiven by its next answer in time.
@@ -59,17 +61,20 @@ class WaitBound:
     def answered(self, peer: str, seconds: float, wait: float, ok: bool) -> bool:
         """A request to ``peer`` that could wait ``wait`` ended after ``seconds``, answered (``ok``) or not;
         whether its answer counts. One that came after ``ratio`` times the typical peer's answer time, from a
-        peer whose median answer time is as slow, does not: that peer answers slowly, not once."""
+        peer whose median answer time is as slow, or whose earlier answers took as long on average, does not: that
+        peer answers slowly, not once. The mean bounds what a peer late in only some of its answers adds to a
+        request on average (about ``late``); the earlier answers', so that one slow moment is not its own proof."""
         if not ok:
             if seconds >= wait and wait < self.ceiling:
                 self.cut += 1
             return False
-        typical = self._answers.typical()
+        typical, earlier = self._answers.typical(), self._answers.mean(peer)
         self._answers.observe(peer, seconds)
         if self.ratio is None or typical is None:
             return True
         late = max(QUICK, self.ratio * typical)
-        if seconds > late and self._answers.count(peer) >= RULE and (self._answers.median(peer) or 0.0) > late:
+        if seconds > late and self._answers.count(peer) >= RULE and max(
+                self._answers.median(peer) or 0.0, earlier or 0.0) > late:
             self.cut += 1
             return False
         return True

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes
 from peerd.averaging import absences, aggregation, matchmaking
 from peerd.averaging.verify import checks, disputes
 from peerd.averaging.verify import round as verify_round
+from peerd.bounded import PeerMedians
 from peerd.cli import main
 from peerd.experts.client import directory
 from peerd.swarm import sealing, signing
@@ -156,6 +157,11 @@ def _no_spread_check() -> None:
     checks._check_spread = lambda published, index, values, length: None  # type: ignore[attr-defined]
 
 
+def _median_only() -> None:
+    """Judge a DHT peer's late answers by its median answer time only, however late it is in a share of them."""
+    PeerMedians.mean = lambda self, peer: None  # type: ignore[method-assign]
+
+
 def _wait_for_everyone() -> None:
     """Wait for every member the round's timeout, however often it kept a round waiting before."""
     absences.Absences.watched = lambda self, members: set()  # type: ignore[method-assign]
@@ -176,6 +182,7 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "claims": _believe_claims,
     "spread-check": _no_spread_check,
     "absences": _wait_for_everyone,
+    "dht-mean": _median_only,
 }
 
 

@@ -61,6 +61,19 @@ def test_late_answers_of_a_peer_slow_as_a_rule_do_not_count_and_an_honest_slow_m
     assert bound.answered("slow", 0.01, 1.0, ok=True)
 
 
+def test_late_answers_of_a_peer_late_in_only_some_of_its_answers_do_not_count_once_its_mean_is_late() -> None:
+    bound = WaitBound(8.0, 1.0, 5.0)
+    for peer in "abc":
+        for _ in range(4):
+            assert bound.answered(peer, 0.01, 5.0, ok=True)
+    # late in two answers of every five: its median stays fast, its earlier answers' mean (over 0.1 s) does not
+    verdicts = [bound.answered("sly", seconds, 1.0, ok=True) for seconds in [0.01, 0.01, 0.9, 0.01, 0.9] * 4]
+    assert verdicts[:3] == [True, True, True]  # a first late answer among fast ones: a slow moment
+    assert all(verdicts[i] for i in range(20) if i % 5 in (0, 1, 3))  # its answers in time always count
+    assert not any(verdicts[i] for i in range(4, 20) if i % 5 in (2, 4))
+    assert bound.cut == 7
+
+
 def test_a_request_cut_by_the_bound_is_counted_and_a_failure_at_the_ceiling_is_not() -> None:
     bound = WaitBound(8.0, 1.0, 5.0)
     assert not bound.answered("x", 1.0, 1.0, ok=False)
