@@ -13,10 +13,10 @@ of ``averaging.join_timeout`` and at most all of it. A chunk of its contribution
 every other member's, or its span's average still missing that long after every other span's, is left out of
 this round, as the timeout would have left it out (and its span's average is not waited for at all once its
 contribution to this peer's span was left out so in the same round: no span's average exists before its
-contributions do, so the two waits would only add up). It is not excluded: a watched
-member that keeps pace is averaged with as before, and the first round it completes ends the watch. So a liar
-that makes an honest member look absent once (by splitting a round's decision) costs that member nothing
-unless it also falls behind the rest of its group.
+contributions do, so the two waits would only add up). It is not excluded: a watched member that keeps pace is
+averaged with as before, and the first round it completes ends the watch. So a liar that makes an honest member
+look absent once (by splitting a round's decision) costs that member nothing unless it also falls behind the
+rest of its group.
 """
 
 from __future__ import annotations

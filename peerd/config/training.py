@@ -68,8 +68,8 @@ class AveragingConfig(Section):
         default=20.0, gt=0, description="Seconds a reducer waits for contributions and a sender for its result."
     )
     join_timeout: float = Field(
-        default=5.0, gt=0, description="Seconds a reducer waits for its own side of a round a sender already started."
-    )
+        default=5.0, gt=0, description="Seconds a reducer waits for its own side of a round a sender already started; "
+        "also the most a member seen absent lately is waited for beyond the rest of a round (at least a fifth of it).")
     chunk_numel: int = Field(
         default=2**19, ge=1024, le=2**26,
         description="Elements per streamed chunk: averages of early chunks flow back while later ones are sent. "
