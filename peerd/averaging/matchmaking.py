@@ -20,7 +20,9 @@ behind a peer we skip gets the time of a fallback, not of a first leader, before
 The window stretches with the DHT's speed (6 times the median of this peer's recent request times, up to
 ``max_matchmaking_window``): on a busy swarm a follower's registration takes several requests to arrive, and a
 window sized for an idle one closed before it did. A peer left out anyway (registered after the decision, or
-alone in it) registers once more under ``<key>.late`` with the other latecomers, rather than stepping alone.
+alone in it) registers once more under ``<key>.late`` with the other latecomers, rather than stepping alone, if
+by its count of the peers at this step others were left out too: alone, that round would only wait out its
+window, and a diloco peer whose phase round is still in flight when its next phase ends would register late again.
 
 Clocks. ``t`` is read on its writer's clock, and peers' clocks differ by up to 3 s (what hivemind's DHT
 admits: ``peerd.swarm.clock``). We chose to make no decision depend on comparing one peer's time with
@@ -113,12 +115,14 @@ class Matchmaker:
         same.
 
         A peer that registered after the leader closed (or was left alone by it) gets one more round,
-        ``<key>.late``, among the other latecomers: on a busy swarm they are several, and averaging among
-        themselves beats stepping alone."""
+        ``<key>.late``, among the other latecomers, if ``expected_peers`` leaves room for any: on a busy swarm
+        they are several, and averaging among themselves beats stepping alone."""
         base = self.config.matchmaking_window if window is None else window
         try:
             return await self._round(key, expected_peers, base)
         except _Late as late:
+            if late.latecomers < 2:  # a latecomers' round would wait out its window alone
+                raise GroupFailed(f"{late}; no other peer expected at this step was left out") from late
             try:
                 return await self._round(f"{key}.late", late.latecomers, base)
             except GroupFailed as again:
@@ -169,7 +173,7 @@ class Matchmaker:
             poll = min(poll * POLL_BACKOFF, max(POLL_INTERVAL, window / POLLS_PER_WINDOW))
         # every expected peer that does not average in this round may come to the latecomers' one
         averaging = sum(len(members) for members in groups if len(members) >= self.config.min_group_size)
-        latecomers = max(2, expected_peers - averaging)
+        latecomers = expected_peers - averaging
         for members in groups:
             if me in members:
                 if len(members) < self.config.min_group_size:
