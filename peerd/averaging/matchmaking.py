@@ -45,12 +45,12 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from peerd.averaging.decisions import PENDING, Entry, decision_problem, leader, ordered, split
+from peerd.averaging.decisions import PENDING, Entry, decision_problem, leader, ordered, partition
 from peerd.averaging.group import Group
 from peerd.bounded import remember
 from peerd.config import AveragingConfig
@@ -89,6 +89,7 @@ class _Round:
     patience: float  # how long the first leader gets to decide, from `started`
     times: dict[str, float] = field(default_factory=dict)  # every registration read
     plausible: set[str] = field(default_factory=set)  # those whose time this peer believes: who may lead
+    apart: dict[str, list[str]] = field(default_factory=dict)  # registrant -> whom it asks to be grouped apart from
     decisions: dict[str, list[list[str]]] = field(default_factory=dict)
     stalled: set[str] = field(default_factory=set)  # leaders this round no longer waits for or believes
     leading_since: dict[str, float] = field(default_factory=dict)  # candidate leader -> when we started waiting
@@ -101,11 +102,14 @@ class _Round:
 
 
 class Matchmaker:
-    def __init__(self, swarm: SwarmNode, config: AveragingConfig, clock: Callable[[], float] = now) -> None:
-        """``clock``: this peer's DHT time (tests give peers skewed ones)."""
+    def __init__(self, swarm: SwarmNode, config: AveragingConfig, clock: Callable[[], float] = now,
+                 apart: Callable[[], Sequence[str]] = list) -> None:
+        """``clock``: this peer's DHT time (tests give peers skewed ones); ``apart``: the members this peer asks
+        to be grouped apart from (``absences.Absences.apart``)."""
         self.swarm = swarm
         self.config = config
         self.clock = clock
+        self.apart = apart
         self.skipped: OrderedDict[str, float] = OrderedDict()  # leader -> monotonic time its skip ends
 
     async def form_group(self, key: str, expected_peers: int, window: float | None = None) -> Group:
@@ -131,9 +135,10 @@ class Matchmaker:
     async def _round(self, key: str, expected_peers: int, base: float) -> Group:
         me = self.swarm.peer_id
         limit = max(base, self.config.max_matchmaking_window)
-        registered_at, started = self.clock(), time.monotonic()
+        registered_at, started, apart = self.clock(), time.monotonic(), list(self.apart())
         lifetime = round_lifetime(self.config, base)
-        await self.swarm.store(key, me, {"peer_id": me, "t": registered_at}, registered_at + lifetime)
+        await self.swarm.store(key, me, {"peer_id": me, "t": registered_at, "apart": apart},
+                               registered_at + lifetime)
         window = self.window(base)  # after our own store, which the DHT's latency counts
         # the leader may have waited up to `limit`, measured from a registration before ours
         state = _Round(key, registered_at, started, window, limit + self.config.join_timeout + 2.0)
@@ -142,6 +147,7 @@ class Matchmaker:
         while True:
             await self._read(state)
             state.times.setdefault(me, registered_at)  # our own store may not be readable yet
+            state.apart.setdefault(me, apart)
             state.plausible.add(me)
             groups = self._final(state)
             if groups is not None:
@@ -196,9 +202,10 @@ class Matchmaker:
         meanwhile is the one every reader takes, so it is ours too."""
         me = self.swarm.peer_id
         included = {p: state.times[p] for p in state.plausible if p not in state.stalled}
-        groups = split(ordered(included), self.config.target_group_size, self.config.min_group_size)
-        await self.swarm.store(state.key, me, {"peer_id": me, "t": state.registered_at, "groups": groups},
-                               state.registered_at + lifetime + 1e-3)
+        groups = partition(ordered(included), state.apart, self.config.target_group_size,
+                           self.config.min_group_size)
+        await self.swarm.store(state.key, me, {"peer_id": me, "t": state.registered_at, "apart": state.apart[me],
+                                               "groups": groups}, state.registered_at + lifetime + 1e-3)
         if leader({p: state.times[p] for p in state.plausible}) != me:
             state.decisions[me] = groups
             await self._read(state)
@@ -214,8 +221,8 @@ class Matchmaker:
         for decider in ordered({p: state.times[p] for p in state.decisions if p in state.times}):
             if decider in state.stalled:
                 continue
-            problem = decision_problem(state.decisions[decider], state.times, self.config.target_group_size,
-                                       self.config.min_group_size)
+            problem = decision_problem(state.decisions[decider], state.times, state.apart,
+                                       self.config.target_group_size, self.config.min_group_size)
             if problem is None:
                 self.skipped.pop(decider, None)  # it decides again: no reason to pass it over
                 return state.decisions[decider]
@@ -268,6 +275,7 @@ class Matchmaker:
                     f"matchmaking entry of {subkey} under {state.key} registered at {entry.t:.1f}, outside "
                     f"{earliest:.1f}..{latest:.1f} on this peer's clock", peer_id=subkey))
             state.times[subkey] = entry.t
+            state.apart[subkey] = entry.apart
             if entry.groups is not None:
                 state.decisions[subkey] = entry.groups
 

@@ -74,7 +74,8 @@ class CollaborativeTrainer:
                                      # a departed peer's rounds fail until its progress record expires: no stall
                                      health=AveragingHealth(grace=2 * config.progress_ttl))
         self.reducer = AllReducer(guard, averaging, swarm.signer)
-        self.rounds = RoundRunner(Matchmaker(swarm, averaging), self.reducer, self.report, self.progress,
+        matchmaker = Matchmaker(swarm, averaging, apart=self.reducer.absences.apart)
+        self.rounds = RoundRunner(matchmaker, self.reducer, self.report, self.progress,
                                   averaging.codec, in_shard_order=self.lockstep is not None)
         directory = config.checkpoint.directory
         # what `peerd export` needs to write the model out of a checkpoint without this peer

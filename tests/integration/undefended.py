@@ -163,8 +163,10 @@ def _median_only() -> None:
 
 
 def _wait_for_everyone() -> None:
-    """Wait for every member the round's timeout, however often it kept a round waiting before."""
+    """Wait for every member the round's timeout, and group it with everyone, however often it kept a round
+    waiting before."""
     absences.Absences.watched = lambda self, members: set()  # type: ignore[method-assign]
+    absences.Absences.apart = lambda self: []  # type: ignore[method-assign]
 
 
 DEFENCES: dict[str, Callable[[], None]] = {

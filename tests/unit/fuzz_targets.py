@@ -516,7 +516,7 @@ def _matchmaking(case: tuple[bool, object]) -> object:
     assert math.isfinite(entry.t) and entry.t >= 0
     assert entry.groups is None or all(1 <= len(g) <= 64 for g in entry.groups)
     if entry.groups is not None:  # the reader's check of a decision, on whatever it claims
-        decision_problem(entry.groups, {PID: 1.0, PID2: 2.0}, 4, 2)
+        decision_problem(entry.groups, {PID: 1.0, PID2: 2.0}, {PID: entry.apart}, 4, 2)
     return entry
 
 

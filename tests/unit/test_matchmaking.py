@@ -16,8 +16,8 @@ from peerd.averaging.decisions import decision_problem, split
 from peerd.averaging.group import Group
 from peerd.averaging.matchmaking import Matchmaker
 from peerd.config import AveragingConfig
-from peerd.errors import GroupFailed, ProtocolViolation
-from peerd.swarm.latency import LatencyWindow
+from peerd.errors import GroupFailed
+from tests.unit.memory_dht import MemoryDHT, MemorySwarm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,53 +27,16 @@ CONFIG = AveragingConfig(matchmaking_window=0.6, max_matchmaking_window=0.6, joi
                          target_group_size=4)
 
 
-class _DHT:
-    """Keys' subkeys, each readable ``latency`` seconds after it was stored (as a DHT store propagates);
-    a store returns after ``store_seconds``, as a lookup and a store take on a busy DHT."""
-
-    def __init__(self, latency: float = 0.05, store_seconds: float = 0.0) -> None:
-        self.latency = latency
-        self.store_seconds = store_seconds
-        self.values: dict[tuple[str, str], tuple[float, dict[str, Any]]] = {}
-
-
-class _Swarm:
-    """The SwarmNode methods matchmaking uses, on a shared in-memory DHT."""
-
-    def __init__(self, peer_id: str, dht: _DHT, drops: list[str] | None = None) -> None:
-        """``drops``: where refused entries are counted; None: a refused entry fails the test."""
-        self.peer_id = peer_id
-        self.dht = dht
-        self.latency = LatencyWindow()
-        self.drops = drops
-
-    async def store(self, key: str, subkey: str, value: dict[str, Any], expiration: float) -> bool:
-        with self.latency.timing():
-            await asyncio.sleep(self.dht.store_seconds)
-            self.dht.values[key, subkey] = (time.monotonic() + self.dht.latency, value)
-        return True
-
-    async def read_subkeys(self, key: str) -> dict[str, object]:
-        now = time.monotonic()
-        return {subkey: value for (stored, subkey), (visible, value) in self.dht.values.items()
-                if stored == key and visible <= now}
-
-    def drop(self, reason: str, error: ProtocolViolation) -> None:
-        if self.drops is None:
-            raise AssertionError(f"unexpected drop: {error}")
-        self.drops.append(reason)
-
-
-async def _join(dht: _DHT, peer: str, offset: float, delay: float, expected: int,
+async def _join(dht: MemoryDHT, peer: str, offset: float, delay: float, expected: int,
                 config: AveragingConfig = CONFIG) -> Group:
     await asyncio.sleep(delay)  # when this peer's batch is complete, in true time
-    matchmaker = Matchmaker(_Swarm(peer, dht), config, clock=lambda: time.time() + offset)  # type: ignore[arg-type]
+    matchmaker = Matchmaker(MemorySwarm(peer, dht), config, clock=lambda: time.time() + offset)  # type: ignore[arg-type]
     return await matchmaker.form_group(KEY, expected)
 
 
 async def _round(plan: list[tuple[float, float]], expected: int | None = None) -> list[Group | BaseException]:
     """``plan``: per peer, its clock offset and when (true time) it registers."""
-    dht = _DHT()
+    dht = MemoryDHT()
     joins = [_join(dht, PEERS[i], offset, delay, expected or len(plan)) for i, (offset, delay) in enumerate(plan)]
     return await asyncio.gather(*joins, return_exceptions=True)
 
@@ -102,7 +65,7 @@ def test_a_window_that_closes_without_everyone_is_the_same_decision_for_all() ->
 
 def test_a_peer_behind_that_registers_after_the_decision_does_not_become_a_second_leader() -> None:
     async def scenario() -> list[Group | BaseException]:
-        dht = _DHT()
+        dht = MemoryDHT()
         on_time = [_join(dht, PEERS[i], 0.0, 0.0, 2) for i in range(2)]
         # 1 s later, but its clock is 2.5 s behind: its registration time is the earliest of all
         late = _join(dht, PEERS[2], -2.5, 1.0, 3)
@@ -115,11 +78,11 @@ def test_a_peer_behind_that_registers_after_the_decision_does_not_become_a_secon
 
 
 def test_of_two_racing_decisions_every_reader_takes_the_earliest_registered_leaders() -> None:
-    dht = _DHT(latency=0.0)
+    dht = MemoryDHT(latency=0.0)
     t = time.time()
     dht.values[KEY, PEERS[0]] = (0.0, {"peer_id": PEERS[0], "t": t, "groups": [sorted([PEERS[0], PEERS[2]])]})
     dht.values[KEY, PEERS[1]] = (0.0, {"peer_id": PEERS[1], "t": t - 1.0, "groups": [sorted(PEERS[:3])]})
-    group = asyncio.run(Matchmaker(_Swarm(PEERS[2], dht), CONFIG).form_group(KEY, 3))  # type: ignore[arg-type]
+    group = asyncio.run(Matchmaker(MemorySwarm(PEERS[2], dht), CONFIG).form_group(KEY, 3))  # type: ignore[arg-type]
     assert set(group.members) == set(PEERS[:3])  # PEERS[1] registered earliest (on its clock), so its decision
 
 
@@ -133,7 +96,7 @@ def test_on_a_slow_dht_the_window_grows_so_a_follower_that_learned_late_still_ma
                              join_timeout=1.5, round_timeout=5.0, target_group_size=4)
 
     async def scenario() -> list[Group | BaseException]:
-        dht = _DHT(latency=0.0, store_seconds=0.5)
+        dht = MemoryDHT(latency=0.0, store_seconds=0.5)
         joins = [_join(dht, PEERS[0], 0.0, 0.0, 3, config), _join(dht, PEERS[1], 0.0, 0.8, 3, config)]
         return await asyncio.gather(*joins, return_exceptions=True)
 
@@ -147,7 +110,7 @@ def test_on_a_slow_dht_the_window_grows_so_a_follower_that_learned_late_still_ma
 
 def test_the_window_is_the_configured_one_on_a_fast_dht_and_capped_on_a_slow_one() -> None:
     config = AveragingConfig(matchmaking_window=1.5, max_matchmaking_window=8.0)
-    swarm = _Swarm(PEERS[0], _DHT())
+    swarm = MemorySwarm(PEERS[0], MemoryDHT())
     matchmaker = Matchmaker(swarm, config)  # type: ignore[arg-type]
     assert matchmaker.window(1.5) == 1.5  # no requests timed yet
     for seconds in (0.01, 0.02, 0.5):
@@ -164,7 +127,7 @@ def test_the_window_is_the_configured_one_on_a_fast_dht_and_capped_on_a_slow_one
 
 def test_peers_that_register_after_the_decision_average_among_themselves() -> None:
     async def scenario() -> list[Group | BaseException]:
-        dht = _DHT()
+        dht = MemoryDHT()
         on_time = [_join(dht, PEERS[i], 0.0, 0.0, 2) for i in range(2)]  # expect 2: their leader closes at once
         late = [_join(dht, PEERS[i], 0.0, 0.5 + 0.1 * i, 4) for i in (2, 3)]
         return await asyncio.gather(*on_time, *late, return_exceptions=True)
@@ -180,16 +143,16 @@ def test_peers_that_register_after_the_decision_average_among_themselves() -> No
 LIAR = f"Qm{'Z' * 44}"
 
 
-def _liar_registers(dht: _DHT, t: float, groups: list[list[str]] | None = None) -> None:
+def _liar_registers(dht: MemoryDHT, t: float, groups: list[list[str]] | None = None) -> None:
     entry: dict[str, Any] = {"peer_id": LIAR, "t": t}
     if groups is not None:
         entry["groups"] = groups
     dht.values[KEY, LIAR] = (0.0, entry)
 
 
-async def _honest(dht: _DHT, drops: list[str], matchmakers: list[Matchmaker] | None = None,
+async def _honest(dht: MemoryDHT, drops: list[str], matchmakers: list[Matchmaker] | None = None,
                   peers: int = 3) -> list[Group | BaseException]:
-    matchmakers = matchmakers or [Matchmaker(_Swarm(PEERS[i], dht, drops), CONFIG)  # type: ignore[arg-type]
+    matchmakers = matchmakers or [Matchmaker(MemorySwarm(PEERS[i], dht, drops), CONFIG)  # type: ignore[arg-type]
                                   for i in range(peers)]
     return await asyncio.gather(*(m.form_group(KEY, peers + 1) for m in matchmakers), return_exceptions=True)
 
@@ -197,7 +160,7 @@ async def _honest(dht: _DHT, drops: list[str], matchmakers: list[Matchmaker] | N
 def test_a_registration_at_time_zero_makes_nobody_the_leader() -> None:
     """Time 0 would make its author the leader of every round (and, never deciding, stall them all): it is
     dropped as implausible, and the honest peers group without it as fast as without any liar."""
-    dht, drops = _DHT(), []
+    dht, drops = MemoryDHT(), []
     _liar_registers(dht, 0.0)
     started = time.monotonic()
     groups = asyncio.run(_honest(dht, drops))
@@ -217,12 +180,12 @@ def test_a_registration_at_time_zero_makes_nobody_the_leader() -> None:
 def test_a_leaders_groups_must_be_the_split_of_its_members(groups: list[list[str]], why: str) -> None:
     """The liar registers first (a plausible time) and publishes groups of its choosing: refused and counted
     by every honest peer, which then follow the next registrant, who groups everyone as the rules say."""
-    dht, drops = _DHT(), []
+    dht, drops = MemoryDHT(), []
     _liar_registers(dht, time.time() - 0.5, [sorted(group) for group in groups])
     results = asyncio.run(_honest(dht, drops))
     registered = {LIAR: 0.0, **{peer: 1.0 for peer in PEERS[:3]}}
-    assert decision_problem(split(sorted(registered), 4, 2), registered, 4, 2) is None  # what it had to decide
-    assert decision_problem(groups, registered, 4, 2) is not None, why
+    assert decision_problem(split(sorted(registered), 4, 2), registered, {}, 4, 2) is None  # what it had to decide
+    assert decision_problem(groups, registered, {}, 4, 2) is not None, why
     assert all(isinstance(g, Group) and set(g.members) == set(PEERS[:3]) for g in results), (why, results)
     assert drops.count("bad_decision") == 3, drops
 
@@ -231,8 +194,8 @@ def test_a_leader_that_never_decides_delays_one_round_and_leads_no_more() -> Non
     """The liar registers first with a plausible time and never decides: the honest peers wait out its
     deadline once, then the next registrant leads; in the next round they pass over it at once."""
     config = CONFIG
-    dht, drops = _DHT(), []
-    matchmakers = [Matchmaker(_Swarm(PEERS[i], dht, drops), config) for i in range(3)]  # type: ignore[arg-type]
+    dht, drops = MemoryDHT(), []
+    matchmakers = [Matchmaker(MemorySwarm(PEERS[i], dht, drops), config) for i in range(3)]  # type: ignore[arg-type]
     _liar_registers(dht, time.time() - 0.5)
     started = time.monotonic()
     groups = asyncio.run(_honest(dht, drops, matchmakers))
@@ -251,7 +214,7 @@ def test_a_leader_that_never_decides_delays_one_round_and_leads_no_more() -> Non
 
 def test_a_round_gives_up_after_a_bounded_number_of_silent_leaders() -> None:
     """Sybils that register first and never decide cost one round at most MAX_FALLBACKS + 1 deadlines."""
-    dht, drops = _DHT(), []
+    dht, drops = MemoryDHT(), []
     sybils = [f"Qm{letter * 44}" for letter in "STUVWXY"]
     for i, sybil in enumerate(sybils):
         dht.values[KEY, sybil] = (0.0, {"peer_id": sybil, "t": time.time() - 1.0 + 0.01 * i})
@@ -264,8 +227,8 @@ def test_a_leader_waiting_out_a_peer_only_we_skip_is_not_passed_over() -> None:
     decision without waiting the liar out, so B still waits for it. B registered before A, so A's leader is B,
     which decides only after its own deadline for the liar: A gives it a fallback's time. Passed over at a first
     leader's deadline, B would publish [A, B] while A decided [A, liar], and each would take its own."""
-    dht = _DHT(store_seconds=0.5)  # a busy DHT: B's decision is readable well after B's deadline for the liar
-    a, b = (Matchmaker(_Swarm(peer, dht), CONFIG) for peer in PEERS[:2])  # type: ignore[arg-type]
+    dht = MemoryDHT(store_seconds=0.5)  # a busy DHT: B's decision is readable well after B's deadline for the liar
+    a, b = (Matchmaker(MemorySwarm(peer, dht), CONFIG) for peer in PEERS[:2])  # type: ignore[arg-type]
     a.skipped[LIAR] = time.monotonic() + matchmaking.SKIP_SECONDS
     _liar_registers(dht, time.time() - 0.5)
 
