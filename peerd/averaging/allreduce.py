@@ -196,7 +196,6 @@ class AllReducer:
         """Runs this peer's span and its exchanges. Once every other span's averages are in, a watched reducer
         that fell behind with its contribution to our span in this very round is given up on at once, and the
         other watched ones get a ``grace`` for their averages."""
-        began = time.monotonic()
         runs = [asyncio.ensure_future(reducer.finish(self.config.round_timeout)),
                 *(asyncio.ensure_future(exchange.run()) for exchange in exchanges)]
         later = [exchange for exchange in exchanges if exchange.member in watched]
@@ -204,7 +203,7 @@ class AllReducer:
             if later:
                 await asyncio.gather(runs[0], *(e.exchanged.wait() for e in exchanges if e.member not in watched))
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(grace(time.monotonic() - began, self.config.join_timeout)):
+                    async with asyncio.timeout(grace(time.monotonic() - reducer.began, self.config.join_timeout)):
                         await asyncio.gather(*(e.exchanged.wait() for e in later if e.member not in reducer.late))
                 for exchange in later:
                     if not exchange.exchanged.is_set():

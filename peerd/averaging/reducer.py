@@ -85,7 +85,7 @@ class SpanReducer:
         self.late: set[str] = set()  # excluded for keeping the span waiting: at its timeout, or a watched one
         self.watched = watched & senders
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        self._began = time.monotonic()
+        self.began = time.monotonic()  # the round's start, from which watched members' grace is measured
         self.serving: set[str] = set()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -136,7 +136,7 @@ class SpanReducer:
         if (not waiting or not waiting <= self.watched or index in self._timers or self._closed
                 or index > 0 and not self.ready[index - 1].is_set()):
             return
-        wait = grace(time.monotonic() - self._began, self.config.join_timeout)
+        wait = grace(time.monotonic() - self.began, self.config.join_timeout)
         self._timers[index] = asyncio.get_running_loop().call_later(wait, self._behind, index, wait)
 
     def _behind(self, index: int, wait: float) -> None:

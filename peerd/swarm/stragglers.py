@@ -12,10 +12,9 @@ asked, so a slow one does not raise the bound it is held to. An answer that does
 ``dht_wait_ratio`` times the typical (and 0.1 s), from a peer whose median answer is as late, or whose earlier
 answers took as long on average, does not count either: a peer answering just under the floor is slow as a rule,
 not once, and so is one late in only some of its answers (two in five, in the test) but by enough to add as much
-to its requests on average. Either is a failure to hivemind, whose
-blacklist then skips that peer in lookups for 5 s, doubling while it stays slow (and stores, which hivemind sends
-to blacklisted peers too, skip it here); an honest peer that was slow for a moment is asked again after 5 s and
-forgiven by its next answer in time.
+to its requests on average. Either is a failure to hivemind, whose blacklist then skips that peer in lookups for
+5 s, doubling while it stays slow (and stores, which hivemind sends to blacklisted peers too, skip it here); an
+honest peer that was slow for a moment is asked again after 5 s and forgiven by its next answer in time.
 
 hivemind builds the node's ``DHTProtocol`` itself, with no way to pass another class; :func:`bound_waits`
 switches the running protocol's class to one that times its answers, where the node runs (``run_coroutine``).
@@ -23,6 +22,7 @@ switches the running protocol's class to one that times its answers, where the n
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -68,11 +68,10 @@ class WaitBound:
             if seconds >= wait and wait < self.ceiling:
                 self.cut += 1
             return False
-        typical, earlier = self._answers.typical(), self._answers.mean(peer)
+        typical = self._answers.typical()
+        late = max(QUICK, self.ratio * typical) if self.ratio is not None and typical is not None else math.inf
+        earlier = self._answers.mean(peer) if seconds > late else None  # before this answer joins them
         self._answers.observe(peer, seconds)
-        if self.ratio is None or typical is None:
-            return True
-        late = max(QUICK, self.ratio * typical)
         if seconds > late and self._answers.count(peer) >= RULE and max(
                 self._answers.median(peer) or 0.0, earlier or 0.0) > late:
             self.cut += 1
