@@ -1,8 +1,8 @@
 """What a matchmaking entry may claim, and what every reader checks before it believes a leader's groups.
 
 One entry per peer per round key, under the peer's own id (``peerd.swarm.signing`` allows no other subkey):
-a registration ``{peer_id, t, apart}``, replaced by the leader with its decision ``{peer_id, t, apart, groups}``. Nothing in
-an entry is believed because its author said it:
+a registration ``{peer_id, t, apart}``, replaced by the leader with its decision ``{peer_id, t, apart, groups}``.
+Nothing in an entry is believed because its author said it:
 
 - ``t`` orders registrations and so picks the leader (the earliest). A reader takes only times it finds
   plausible: not before its own registration by more than a leader can wait plus the clock offsets the
