@@ -23,6 +23,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
+from peerd.averaging.absences import MAX_APART, Absences
 from peerd.averaging.allreduce import AllReducer
 from peerd.averaging.group import Group, RoundReport
 from peerd.bounded import remember
@@ -156,9 +157,11 @@ def _pairs() -> None:
 def _absent() -> None:
     """Registers and is grouped like any member, and never takes part: it sends no contribution, and holds every
     stream opened to it as a reducer, unanswered, until its sender gives up. Its round ends when the last of them
-    has, so that its trainer keeps pace with the others' and it is grouped in every round they average in."""
+    has, so that its trainer keeps pace with the others' and it is grouped in every round they average in. Its
+    registrations ask to be grouped apart from every member it was ever grouped with, as if they were absent."""
     given_up: OrderedDict[str, set[str]] = OrderedDict()  # round -> the members whose streams to it closed
     closed = asyncio.Condition()
+    accused: set[str] = set()
 
     async def hold(self: AllReducer, info: object, reader: asyncio.StreamReader,
                    writer: asyncio.StreamWriter) -> None:
@@ -177,6 +180,7 @@ def _absent() -> None:
     async def all_reduce(self: AllReducer, group: Group, flat: torch.Tensor, weight: float,
                          *args: Any, **kwargs: Any) -> tuple[torch.Tensor, RoundReport]:
         others = len(group.members) - 1
+        accused.update(member for member in group.members if member != self.peer_id)
         with contextlib.suppress(TimeoutError):
             async with closed, asyncio.timeout(2 * self.config.round_timeout):
                 await closed.wait_for(lambda: len(given_up.get(group.round_id, ())) >= others)
@@ -184,6 +188,7 @@ def _absent() -> None:
 
     AllReducer._handle_stream = hold  # type: ignore[method-assign]
     AllReducer.all_reduce = all_reduce  # type: ignore[method-assign]
+    Absences.apart = lambda self: sorted(accused)[:MAX_APART]  # type: ignore[method-assign]
 
 
 LIES: dict[str, Callable[[], None]] = {

@@ -68,7 +68,8 @@ def test_a_member_that_keeps_rounds_waiting_twice_is_grouped_apart_and_costs_not
     assert all(defended["third"] in watched for watched in defended["watched"]), defended
     assert not set(defended["honest"]) & set().union(*defended["watched"]), defended
     assert not set().union(*usual["watched"]), usual
-    # the two honest trainers average as a pair, without it: what the absent member asks moves neither of them
+    # the two honest trainers average as a pair, without it: the absent member asks to be apart from both of them,
+    # which moves neither
     assert all(pairs > 0 for pairs in defended["pairs"]) and not any(undefended["pairs"]), (defended, undefended)
     # waited for until the round's timeout, it slows them a hundredfold (30 s a round, where 0.3 s is usual); grouped
     # apart, it costs a grace now and then, when its time apart is up (the margin is this machine's noise)
