@@ -83,9 +83,16 @@ def validations(peer: PeerProcess, timeout: float = 5.0) -> list[tuple[int, floa
 async def p2p_daemons(n: int, listen: str = LISTEN["tcp"],
                       identities: Sequence[Path] = ()) -> AsyncIterator[list[P2P]]:
     """``n`` p2pd daemons with hivemind's P2P handles: the first alone, the others bootstrapped from its addresses
-    (so each knows the first, not each other), each with its key file from ``identities`` if given. All shut
-    down at the end, last started first; shutting down one a test already took away is harmless."""
+    and then dialled to each other, each with its key file from ``identities`` if given. All shut down at the
+    end, last started first; shutting down one a test already took away is harmless.
+
+    The dials are why a test's first stream opens at once: without them a daemon finds another only through
+    p2pd's own DHT, whose routing table fills a moment after the bootstrap connection (on a loaded machine a
+    stream opened at once failed with "failed to find any peer in table"). A daemon dials the peers it reads
+    in the swarm's records the same way (``peerd.wire.p2pd_control.connect``)."""
     from hivemind.p2p import P2P
+
+    from peerd.wire import p2pd_control
 
     keys: list[dict[str, str]] = [{"identity_path": str(path)} for path in identities] or [{} for _ in range(n)]
     started: list[P2P] = []
@@ -94,6 +101,11 @@ async def p2p_daemons(n: int, listen: str = LISTEN["tcp"],
         maddrs = [str(m) for m in await started[0].get_visible_maddrs()]
         for i in range(1, n):
             started.append(await P2P.create(host_maddrs=[listen], initial_peers=maddrs, **keys[i]))
+        for i, later in enumerate(started[2:], start=2):
+            for earlier in started[1:i]:
+                suffix = f"/p2p/{earlier.peer_id}"
+                addresses = [m.decapsulate(suffix) for m in await earlier.get_visible_maddrs()]
+                await p2pd_control.connect(later, earlier.peer_id, addresses)
         yield started
     finally:
         for p2p in reversed(started):
