@@ -29,7 +29,7 @@ from peerd.averaging.group import Clipping, Group
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.requests import SpanView
 from peerd.averaging.robust import RobustChunks, rule_label
-from peerd.averaging.verify.payloads import code_average, envelope, scheme_of, sent_count
+from peerd.averaging.verify.payloads import block_norms, code_average, envelope, scheme_of, sent_count
 from peerd.averaging.verify.record import SpanRecord
 from peerd.config import AveragingConfig, CodecConfig
 from peerd.errors import ProtocolViolation
@@ -166,7 +166,8 @@ class SpanReducer:
         else:
             row.copy_(self.own[start:end])
         payload = codec.encode(row, RAW)
-        self.record.own(index, payload, envelope(None, row, self.codec_config.block_size))  # nobody writes to it
+        block = self.codec_config.block_size
+        self.record.own(index, payload, envelope(None, row, block), block_norms(row, block))  # nobody writes to it
         return row
 
     def _average_chunk(self, index: int) -> bytearray:

@@ -22,7 +22,7 @@ from peerd.averaging.group import Group, RoundReport
 from peerd.averaging.layout import chunk_bounds, max_payload_bytes
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.verify.member_side import challenge, check_span
-from peerd.averaging.verify.payloads import envelope, scheme_of, sent_count, view
+from peerd.averaging.verify.payloads import block_norms, envelope, scheme_of, sent_count, view
 from peerd.averaging.verify.round import RoundVerification
 from peerd.averaging.verify.samples import OwnRow
 from peerd.averaging.verify.statement import SEAL, seal_parts
@@ -37,7 +37,7 @@ from peerd.wire.guard import StreamGuard
 
 logger = logging.getLogger(__name__)
 
-Coded = tuple[bytearray, float, bytes, torch.Tensor]  # payload, norm, hash, envelope
+Coded = tuple[bytearray, float, bytes, torch.Tensor, torch.Tensor]  # payload, norm, hash, envelope, block norms
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
@@ -82,6 +82,7 @@ class SpanExchange:
         self.norms: dict[int, float] = {}
         self.hashes: list[bytes] = []
         self.envelopes: list[torch.Tensor] = []
+        self.block_norms: list[torch.Tensor] = []
         self.counts: list[int] = []
 
     async def run(self) -> None:
@@ -136,7 +137,8 @@ class SpanExchange:
             dropped=self.dropped[a:b] if self.dropped is not None else None, decoded=self.decoded[a:b],
             with_norm=True)
         bound = envelope(view(payload), self.decoded[a:b], self.codec_config.block_size)
-        return payload, norm, blake3.blake3(payload).digest(), bound
+        blocks = block_norms(self.decoded[a:b], self.codec_config.block_size)
+        return payload, norm, blake3.blake3(payload).digest(), bound, blocks
 
     def _encode(self, k: int) -> asyncio.Future[Coded]:
         a, b = self.chunks[k]
@@ -182,9 +184,10 @@ class SpanExchange:
         coding: asyncio.Future[Coded] | None = first
         for k in range(len(self.chunks)):
             assert coding is not None  # set for every chunk but after the last
-            payload, self.norms[k], digest, bound = await coding
+            payload, self.norms[k], digest, bound, blocks = await coding
             self.hashes.append(digest)
             self.envelopes.append(bound)
+            self.block_norms.append(blocks)
             self.counts.append(sent_count(payload))
             coding = self._encode(k + 1) if k + 1 < len(self.chunks) else None  # coded while this one drains
             # length and payload in one write: a lone 8-byte write would be a frame of its own on the wire
@@ -192,7 +195,8 @@ class SpanExchange:
             self.report.bytes_sent += sent  # after the await: several reducers are fed at once
         seal = v.signing.sign(SEAL, *seal_parts(self.group.round_id, self.index, self.source.numel(),
                                                 self.config.chunk_numel, self.weight, self.hashes))
-        v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes, self.counts)
+        v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes, self.block_norms,
+                                         self.counts)
         v.own_hashes[self.index] = self.hashes
         self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(seal=seal))
 

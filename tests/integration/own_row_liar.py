@@ -1,13 +1,15 @@
 """A reducer that lies about its own row, for tests only: `python -m tests.integration.own_row_liar start ...` is
 `peerd start ...` (centered_clip) that, in every lossy round, hands back -1000 times the honest average of its
-span and makes it look right: its Gram matrix, coefficients and sketch put its own row at the mean of the
-others' (so the rule keeps it whole), and its samples and envelope state the row far off that makes the lie the
-rule's result at every coordinate. Its sealed row is its honest one; what it states of it after the seed is
-the lie. A member lying with a reducer would state its own row the same way.
+span (on a random fraction ``PEERD_TEST_LIE_FRACTION`` of its elements, 1 by default) and makes it look right: its
+Gram matrix, coefficients and sketch put its own row at the mean of the others' (so the rule keeps it whole), and
+its samples, envelope and block norms state the row far off that makes the lie the rule's result at every
+coordinate. Its sealed row is its honest one; what it states of it after the seed is the lie. A member lying with
+a reducer would state its own row the same way.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ import torch
 from peerd.averaging import robust
 from peerd.averaging.aggregation import Combined
 from peerd.averaging.verify import round as verify_round
-from peerd.averaging.verify.payloads import envelope
+from peerd.averaging.verify.payloads import block_norms, envelope
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import LABEL, OwnRow
 from peerd.cli import main
@@ -23,6 +25,7 @@ from peerd.config import CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 
 SCALE = -1000.0
+FRACTION = float(os.environ.get("PEERD_TEST_LIE_FRACTION", "1"))
 BLOCK = CodecConfig().block_size
 
 _honest_combine = robust.RobustChunks.combine
@@ -47,6 +50,8 @@ def _lying_combine(self: robust.RobustChunks, index: int, included: set[str], nu
     coefficients = torch.tensor(combined.coefficients, dtype=torch.float64)
     mine = ranks.index(self.rank)
     lie = SCALE * out.double()
+    if FRACTION < 1:
+        lie = torch.where(torch.rand(numel) < FRACTION, lie, out.double())
     rest = coefficients[[i for i in range(len(ranks)) if i != mine]] @ true_others
     far = ((lie - rest) / coefficients[mine]).float()
     out.copy_(lie)
@@ -61,14 +66,14 @@ def _lying_build(key: Any, round_id: str, randomness: RoundRandomness, rows: dic
         return _honest_build(key, round_id, randomness, rows, with_sketch, outputs)
     own = rows[span]
     sampled, sketched = own.row.clone(), own.row.clone()
-    envelopes = list(own.envelopes)
+    envelopes, norms = list(own.envelopes), list(own.norms)
     for index, (far, near) in stated.items():
         a, b = own.chunks[index]
         sampled[a:b], sketched[a:b] = far, near
-        envelopes[index] = envelope(None, far, BLOCK)
-    # values and envelope from the far row, the sketch from the near one: two builds, spliced
-    far_rows = {**rows, span: OwnRow(sampled, own.chunks, envelopes, own.counts)}
-    near_rows = {**rows, span: OwnRow(sketched, own.chunks, envelopes, own.counts)}
+        envelopes[index], norms[index] = envelope(None, far, BLOCK), block_norms(far, BLOCK)
+    # values, envelope and block norms from the far row, the sketch from the near one: two builds, spliced
+    far_rows = {**rows, span: OwnRow(sampled, own.chunks, envelopes, norms, own.counts)}
+    near_rows = {**rows, span: OwnRow(sketched, own.chunks, envelopes, norms, own.counts)}
     lie = pb.MemberSamples.FromString(_honest_build(key, round_id, randomness, far_rows, with_sketch, outputs).body)
     sketch = pb.MemberSamples.FromString(
         _honest_build(key, round_id, randomness, near_rows, with_sketch, outputs).body)

@@ -156,23 +156,29 @@ def test_without_the_checks_the_same_reducer_wrecks_the_model(mode: str, referen
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("mode", ["diloco"], indirect=True, scope="module")
-def test_a_reducer_lying_about_its_own_row_is_caught_and_without_the_spread_check_wrecks_the_model(
-        mode: str, reference: float, tmp_path: Path) -> None:
-    """The reducer (tests/integration/own_row_liar.py) sketches its own row close to the others and samples it far
-    off, so that -1000x the honest average passes every check but the samples' spread. With it, the honest members
-    exclude the reducer on proof and train as without it; without it (tests/integration/undefended.py
-    ``spread-check``, no state averaging, as above), the lie is applied."""
-    run = train(tmp_path / "defended", mode, [HONEST, HONEST, OWN_ROW])
+@pytest.mark.parametrize(("fraction", "unchecked"), [("1", "spread-check,block-norms"), ("0.002", "block-norms")],
+                         ids=["everywhere", "few-elements"])
+def test_a_reducer_lying_about_its_own_row_is_caught_and_unchecked_wrecks_the_model(
+        mode: str, reference: float, fraction: str, unchecked: str, tmp_path: Path) -> None:
+    """The reducer (tests/integration/own_row_liar.py) sketches its own row close to the others and states its
+    samples and block norms far off, so that -1000x the honest average (on every element, or on 0.2% of them at
+    random, where few samples land) passes every check but the samples' spread and the block norms'. With them,
+    the honest members exclude the reducer on proof and train as without it; without the checks that catch it
+    (tests/integration/undefended.py, no state averaging, as above), the lie is applied."""
+    env = {"PEERD_TEST_LIE_FRACTION": fraction}
+    run = train(tmp_path / "defended", mode, [HONEST, HONEST, OWN_ROW], env=env)
     losses = run.losses()
-    print(f"{mode}, reducer lying about its own row: validation loss {losses}, attack-free {reference:.4f}")
+    print(f"{mode}, reducer lying about its own row on {fraction} of its span: validation loss {losses}, "
+          f"attack-free {reference:.4f}")
     assert all(r["validation_step"] >= STEPS for r in run.honest), run.honest
     assert all(abs(loss / reference - 1) <= 0.10 for loss in losses), (losses, reference)
     banned_by_every_honest_peer(run, "peer2-own_row_liar")
-    blind = f"{UNDEFENDED} --undefended spread-check"
-    run = train(tmp_path / "undefended", mode, [blind, blind, OWN_ROW],
+    blind = f"{UNDEFENDED} --undefended {unchecked}"
+    run = train(tmp_path / "undefended", mode, [blind, blind, OWN_ROW], env=env,
                 options=("-o", f"training.state_averaging_every={10 * STEPS}"))
     losses = run.losses()
-    print(f"{mode}, reducer lying about its own row, spread unchecked: validation loss {losses}")
+    print(f"{mode}, reducer lying about its own row on {fraction} of its span, {unchecked} off: validation loss "
+          f"{losses}")
     # the lie is applied; a chunk audited afterwards (at random, or for rows that look alike) may still convict it
     assert all(loss > 1.3 * reference for loss in losses), (losses, reference)
 

@@ -226,7 +226,10 @@ def test_a_reducer_sampling_its_own_row_far_off_and_sketching_it_close_fails(mon
         check_chunk(statement, 0, samples, span.out, view(span.out_payload), span.randomness, span.config)
 
     monkeypatch.setattr(checks, "spread_bounds", lambda samples: torch.full((samples,), math.inf, dtype=torch.float64))
-    checked()  # without the samples' spread checked, the lie passes every other check
+    with pytest.raises(Inconsistent, match="block norms lie further apart"):  # its block norms are the far row's
+        checked()
+    monkeypatch.setattr(checks, "rows_too_far", lambda *args: False)
+    checked()  # without the samples' spread and the block norms' distances checked, the lie passes every other check
     monkeypatch.undo()
     with pytest.raises(Inconsistent, match="samples lie further apart"):
         checked()

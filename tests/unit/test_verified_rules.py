@@ -119,14 +119,16 @@ def test_a_reducer_understating_its_own_norm_in_a_pair_fails_and_is_convicted() 
     assert proven(span) is not None
 
 
-def test_a_pair_norm_misstated_within_the_sketches_bounds_is_convicted_by_the_dispute() -> None:
-    """A lie small enough to pass the sketches (2x on the norm): an audit's dispute settles it exactly."""
+def test_a_pair_norm_misstated_within_the_sketches_bounds_fails_the_block_norms_and_is_convicted() -> None:
+    """A lie small enough to pass the sketches (2x on the norm) shows against the members' block norms, which
+    add up to the rows' norms; the dispute settles it exactly."""
     rows = rows_of(2, scales=[3.0, 1.0])
     span = Span(rows, "trimmed_mean")
     assert span.norms is not None
     span.norms = span.norms * torch.tensor([0.25, 1.0], dtype=torch.float64)
     publish(span, equalized_coefficients(span.norms, [1.0, 1.0]).tolist())
-    check(span)
+    with pytest.raises(Inconsistent, match="block norms exceed the published norms"):
+        check(span)
     verdict = judge(span)
     assert verdict.reducer is not None and "norms" in verdict.reducer
     assert proven(span) is not None

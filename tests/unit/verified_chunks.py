@@ -13,7 +13,7 @@ import torch
 from peerd.averaging.aggregation import around, clip_coefficients, combine, medoid_of
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import code_average, envelope, sent_count, view
+from peerd.averaging.verify.payloads import block_norms, code_average, envelope, sent_count, view
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
 from peerd.averaging.verify.statement import (
@@ -121,8 +121,8 @@ class Span:
         decoded = self.decoded[rank] if row is None else row
         numel = decoded.numel()
         bound = envelope(view(self.payloads[rank]), decoded, CODEC.block_size)
-        signed = build_samples(self.signing[rank], self.round_id, self.randomness, {0: OwnRow(decoded, [(0, numel)],
-                               [bound])}, self.rule != "mean", {})
+        own = OwnRow(decoded, [(0, numel)], [bound], [block_norms(decoded, CODEC.block_size)])
+        signed = build_samples(self.signing[rank], self.round_id, self.randomness, {0: own}, self.rule != "mean", {})
         return parse_samples(signed, self.group.members[rank], self.round_id, self.seed, {0: [(0, numel)]},
                              CODEC.block_size, KeyBook())
 

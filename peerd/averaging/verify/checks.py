@@ -17,6 +17,9 @@ Per chunk that is not void:
 4. **Spread.** Under centered_clip and the norm-equalized mean, the rows' samples lie no further apart than the
    distances (norms) the coefficients follow from allow: a row's sketch and samples are both its member's word,
    and one sketched close but sampled far off would keep its whole weight and still move the average.
+5. **Energy.** Per coarse block the average's norm stays within what the rows' stated norms allow, and those
+   norms lie no further apart than the published distances (energy.py): a lie on elements no sample hits
+   shows in one or the other.
 
 A check that fails means the reducer's average is not its rule applied to the sealed rows, or a member misstated
 its own row: only the rows can tell (disputes.py); this member applies nothing from the span either way. Two
@@ -36,6 +39,7 @@ from peerd.averaging.aggregation import (
     clip_coefficients,
     equalized_coefficients,
 )
+from peerd.averaging.verify.energy import average_too_large, rows_too_far
 from peerd.averaging.verify.payloads import (
     ENVELOPE_SLACK,
     FP16_ABSOLUTE,
@@ -166,6 +170,11 @@ def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSampl
     own = envelope(payload, out, config.codec.block_size).double()
     if own.shape != bound.shape or bool(own.gt(bound * ENVELOPE_SLACK + FP16_ABSOLUTE).any()):
         raise Inconsistent(index, "the average exceeds what its rows' magnitudes allow in some block")
+    norms = torch.stack([row.norms[index] for row in rows])
+    block = average_too_large(out, payload, config.codec.block_size, norms if coefficients is not None else
+                              norms[chunk.distinct], coefficients)
+    if block is not None:
+        raise Inconsistent(index, f"the average's norm in coarse block {block} exceeds what its rows' norms allow")
     if statement.rule == "mean":
         return
     sketches = [row.sketch[index] if row.sketch is not None else None for row in rows]
@@ -177,9 +186,13 @@ def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSampl
     if chunk.gram is not None and coefficients is not None:
         _check_gram(chunk.gram, index, distinct)
         _check_spread(chunk.gram, index, values[chunk.distinct], out.numel())
+        if rows_too_far(norms[chunk.distinct], _distances(chunk.gram), chunk.gram.diagonal().abs()):
+            raise Inconsistent(index, "the rows' block norms lie further apart than the published distances")
     if chunk.norms is not None:
         _check_norms(chunk.norms, index, distinct)
         _check_spread(chunk.norms, index, values[chunk.distinct], out.numel())
+        if rows_too_far(norms[chunk.distinct], chunk.norms, chunk.norms.abs()):
+            raise Inconsistent(index, "the rows' block norms exceed the published norms")
 
 
 def _check_copies(chunk: Chunk, index: int, rule: str, values: torch.Tensor, sketches: torch.Tensor) -> None:

@@ -7,8 +7,8 @@ recomputed over the whole chunk:
 - an average that is not its rule applied to the rows; coefficients, copies, norms or a Gram matrix that do
   not follow from them (copies are compared exactly, as the reducer compares them); or a statement carrying a
   seal that does not check out: the **reducer** lied;
-- samples, an envelope or a sketch that misstate a member's sealed row: that **member** lied (to frame the
-  reducer, or to hide its own row), whatever the reducer did.
+- samples, an envelope, block norms or a sketch that misstate a member's sealed row: that **member** lied (to
+  frame the reducer, or to hide its own row), whatever the reducer did.
 
 Everything judged is signed by whom it convicts (the reducer's statement and output signature, a member's seal
 and samples), so whoever holds the same bytes reaches the same verdict: the challenger forwards them as a proof,
@@ -28,8 +28,17 @@ from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, differences,
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
+from peerd.averaging.verify.energy import NORM_ROUNDING
 from peerd.averaging.verify.keys import KeyBook
-from peerd.averaging.verify.payloads import TINY, bounded, envelope, error_bound, sent_count, view
+from peerd.averaging.verify.payloads import (
+    TINY,
+    block_norms,
+    bounded,
+    envelope,
+    error_bound,
+    sent_count,
+    view,
+)
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples
 from peerd.averaging.verify.statement import OUTPUT, SEAL, Chunk, Statement, output_parts, seal_parts
@@ -121,6 +130,10 @@ def _misstated(member: MemberSamples, statement: Statement, index: int, row: tor
         return f"its samples of span {statement.span} chunk {index} are not its sealed row's"
     if not torch.equal(stated.envelope[index], envelope(view(payload), row, config.codec.block_size).double()):
         return f"its envelope of span {statement.span} chunk {index} is not its sealed row's"
+    norms = block_norms(row, config.codec.block_size)
+    if stated.norms[index].shape != norms.shape or bool(
+            ((stated.norms[index] - norms).abs() > NORM_ROUNDING * norms + TINY).any()):
+        return f"its block norms of span {statement.span} chunk {index} are not its sealed row's"
     if stated.sketch is not None:
         true = randomness.sketch(statement.span, index, row)
         if float((stated.sketch[index] - true).abs().max()) > SKETCH_TOLERANCE * float(true.norm()) + 1e-30:

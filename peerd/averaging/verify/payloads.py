@@ -31,8 +31,8 @@ from peerd.wire import codec, topk
 from peerd.wire.codec import HEADER, MIN_SCALE, TOPK_BITS, Scheme
 from peerd.wire.feedback import encode_with_feedback
 
-__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "average_count", "bounded", "checks_averages", "clamp_residual",
-           "code_average", "envelope", "error_bound", "scheme_of", "sent_count", "view"]
+__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "average_count", "block_norms", "bounded", "checks_averages",
+           "clamp_residual", "code_average", "envelope", "error_bound", "error_norms", "scheme_of", "sent_count", "view"]
 
 COARSE_BLOCKS = 32
 ERROR_SLACK = 1.01  # |average - exact| <= 1.002 scales with the clamped residual; bf16 scales round up
@@ -155,6 +155,34 @@ def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor
     return torch.zeros(index.numel(), dtype=torch.float64)
 
 
+def error_norms(payload: PayloadView, decoded: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per coarse block of a reducer's coded average (``decoded``): the L2 norm of how far an honest reducer's
+    nonzero coded values may be from its exact average there (:func:`error_bound` over the block, float64). An
+    element coded as 0 adds nothing to the coded block's norm, so its error is left out."""
+    coarse = COARSE_BLOCKS * block_size
+    blocks = -(-decoded.numel() // coarse)
+    squared = torch.zeros(blocks, dtype=torch.float64)
+    if payload.scales is not None:  # every element of a codec block within its scale: per codec block, not element
+        starts = torch.arange(payload.scales.numel(), dtype=torch.int64) * payload.block
+        counts = (decoded.numel() - starts).clamp_(max=payload.block).double()
+        per_block = (payload.scales.double() * ERROR_SLACK + TINY) ** 2 * counts
+        squared.scatter_add_(0, starts // coarse, per_block)  # a codec block across two coarse ones: in both
+        last = (starts + counts.long() - 1) // coarse
+        across = last != starts // coarse
+        squared.scatter_add_(0, last[across], per_block[across])
+    elif payload.support is not None and payload.support_scales is not None:
+        count = payload.support.numel()
+        steps = payload.support_scales[torch.arange(count) // payload.block].double() * ERROR_SLACK + TINY
+        squared.scatter_add_(0, payload.support // coarse, steps**2)
+    elif payload.scheme is Scheme.FP16:
+        own = block_norms(decoded, block_size)
+        lengths = torch.full((blocks,), float(coarse), dtype=torch.float64)
+        if blocks:
+            lengths[-1] = decoded.numel() - (blocks - 1) * coarse
+        return own * FP16_RELATIVE + lengths.sqrt() * FP16_ABSOLUTE
+    return squared.sqrt_()
+
+
 def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int) -> torch.Tensor:
     """Per coarse block of ``COARSE_BLOCKS * block_size`` elements: an upper bound on |value| (float32).
     From the scales when the payload's blocks are the configured ones, else from the values (SPARSE8: each less
@@ -185,6 +213,21 @@ def envelope(payload: PayloadView | None, decoded: torch.Tensor, block_size: int
     if blocks > full:
         bound[full] = float(decoded[full * coarse :].abs().max())
     return bound
+
+
+def block_norms(decoded: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per coarse block of ``COARSE_BLOCKS * block_size`` elements: the L2 norm of ``decoded`` there (float64).
+    A row's energy per block: it bounds the average's there (a convex combination of the rows), and the row's
+    distances to the others from below (two rows' norms in a block differ by no more than the rows do there)."""
+    coarse = COARSE_BLOCKS * block_size
+    full = decoded.numel() // coarse
+    norms = torch.zeros(-(-decoded.numel() // coarse), dtype=torch.float64)
+    if full:
+        norms[:full] = torch.linalg.vector_norm(decoded[: full * coarse].view(full, coarse), dim=1,
+                                                dtype=torch.float64)
+    if norms.numel() > full:
+        norms[full] = torch.linalg.vector_norm(decoded[full * coarse :], dtype=torch.float64)
+    return norms
 
 
 def clamp_residual(average: torch.Tensor, residual: torch.Tensor, block_size: int, int8: bool) -> None:

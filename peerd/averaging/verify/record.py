@@ -48,6 +48,7 @@ class SpanRecord:
         self.records: list[pb.ChunkRecord] = [pb.ChunkRecord() for _ in self.chunks]
         self.signatures: list[bytes] = [b""] * count
         self.own_envelopes: list[torch.Tensor] = [torch.zeros(0)] * count
+        self.own_norms: list[torch.Tensor] = [torch.zeros(0)] * count
         self._statement: asyncio.Future[pb.Signed] | None = None
 
     def request(self, sender: str, request: pb.ReduceRequest) -> None:
@@ -85,12 +86,13 @@ class SpanRecord:
         if event is not None:
             event.set()
 
-    def own(self, index: int, payload: bytes | bytearray, bound: torch.Tensor) -> None:
-        """This reducer's own row of chunk ``index``, as coded (its statement's signature binds it), and its
-        envelope."""
+    def own(self, index: int, payload: bytes | bytearray, bound: torch.Tensor, norms: torch.Tensor) -> None:
+        """This reducer's own row of chunk ``index``, as coded (its statement's signature binds it), its envelope
+        and block norms."""
         self.payloads[self.rank][index] = payload
         self.hashes[self.rank][index] = blake3.blake3(payload).digest()
         self.own_envelopes[index] = bound
+        self.own_norms[index] = norms
 
     def combined(self, index: int, members: list[str], coefficients: list[float] | None,
                  how: Combined | None = None) -> None:
@@ -124,7 +126,7 @@ class SpanRecord:
 
     async def _build(self, averaged: list[asyncio.Event]) -> pb.Signed:
         await asyncio.gather(*(event.wait() for event in averaged))
-        self.v.own_rows[self.rank] = OwnRow(self.own_row, self.chunks, self.own_envelopes)
+        self.v.own_rows[self.rank] = OwnRow(self.own_row, self.chunks, self.own_envelopes, self.own_norms)
         self.v.settled.set()
         included = {r for record in self.records for r in record.included} - {self.rank}
         waiting = [self.sealed[r].wait() for r in included if r in self.sealed]

@@ -1,7 +1,7 @@
 """A member's samples: what it reveals of its own rows once the round's seed is known.
 
 For every span it has a row in (the span it reduces included), per chunk: its decoded row at the sampled
-coordinates, its envelope, and (robust rules) its sketch. It signs them, so a member that misstates its own row
+coordinates, its envelope and norm per coarse block, and (robust rules) its sketch. It signs them, so a member that misstates its own row
 to make an honest reducer's average look wrong is caught when that reducer reveals the sealed row
 (disputes.py).
 """
@@ -26,11 +26,13 @@ MAX_SAMPLES_BYTES = 16 << 20
 
 @dataclass
 class OwnRow:
-    """This member's decoded row in one span, its chunks' bounds and envelopes (filled while it is sent)."""
+    """This member's decoded row in one span, its chunks' bounds, envelopes and block norms (filled while it is
+    sent)."""
 
     row: torch.Tensor
     chunks: list[tuple[int, int]]
     envelopes: list[torch.Tensor]
+    norms: list[torch.Tensor]  # per chunk, payloads.block_norms of its row
     counts: list[int] = field(default_factory=list)  # elements each chunk's payload carried by position (top-k)
 
 
@@ -40,6 +42,7 @@ class SpanRows:
 
     values: list[torch.Tensor]  # float64, at the chunk's sampled coordinates
     envelope: list[torch.Tensor]  # float64, per coarse block
+    norms: list[torch.Tensor]  # float64, per coarse block: the row's L2 norm there
     sketch: list[torch.Tensor] | None  # float64, SKETCH_SIZE projections
     outputs: list[tuple[bytes, bytes]]  # (hash, reducer's signature) of each average it received
 
@@ -67,10 +70,11 @@ def build_samples(key: SigningKey, round_id: str, randomness: RoundRandomness, r
                                credentials=key.credentials)
     for span, own in sorted(rows.items()):
         entry = message.spans.add(span_index=span)
-        for index, ((a, b), envelope) in enumerate(zip(own.chunks, own.envelopes, strict=True)):
+        for index, ((a, b), envelope, norms) in enumerate(zip(own.chunks, own.envelopes, own.norms, strict=True)):
             chunk = own.row[a:b]
             entry.values.extend(chunk[randomness.offsets(span, index, b - a)].tolist())
             entry.envelope.extend(envelope.tolist())
+            entry.block_norms.extend(norms.tolist())
             if with_sketch:
                 entry.sketch.extend(randomness.sketch(span, index, chunk).tolist())
         received = outputs.get(span, {})
@@ -106,18 +110,24 @@ def parse_samples(signed: pb.Signed, member: str, round_id: str, seed: bytes,
         if chunks is None:  # a span the caller does not ask about (a proof names one span only)
             continue
         sizes = [(sample_count(b - a), envelope_count(b - a, block_size)) for a, b in chunks]
-        if len(entry.values) != sum(s for s, _ in sizes) or len(entry.envelope) != sum(e for _, e in sizes) or (
+        blocks = sum(e for _, e in sizes)
+        if len(entry.values) != sum(s for s, _ in sizes) or len(entry.envelope) != blocks or len(
+                entry.block_norms) != blocks or (
                 entry.sketch and len(entry.sketch) != SKETCH_SIZE * len(chunks)) or len(entry.output_hashes) > len(
                 chunks) or len(entry.output_hashes) != len(entry.output_signatures):
             raise bad(f"span {entry.span_index}: sizes do not fit its chunks")
         values = torch.tensor(list(entry.values), dtype=torch.float64)
         envelope = torch.tensor(list(entry.envelope), dtype=torch.float64)
-        if not bool(values.isfinite().all()) or not bool(envelope.isfinite().all()):
+        norms = torch.tensor(list(entry.block_norms), dtype=torch.float64)
+        if not all(bool(t.isfinite().all()) for t in (values, envelope, norms)):
             raise bad(f"span {entry.span_index}: non-finite values")
+        if bool((norms < 0).any()):
+            raise bad(f"span {entry.span_index}: a negative norm")
         sketch = torch.tensor(list(entry.sketch), dtype=torch.float64).view(len(chunks), SKETCH_SIZE) \
             if entry.sketch else None
         spans[entry.span_index] = SpanRows(
             list(torch.split(values, [s for s, _ in sizes])), list(torch.split(envelope, [e for _, e in sizes])),
+            list(torch.split(norms, [e for _, e in sizes])),
             list(sketch.unbind(0)) if sketch is not None else None,
             [(bytes(h), bytes(g)) for h, g in zip(entry.output_hashes, entry.output_signatures, strict=True)])
     return MemberSamples(member, seed, spans, signed)

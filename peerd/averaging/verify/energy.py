@@ -1,0 +1,69 @@
+"""The rows' energy per coarse block: each member states its row's L2 norm in every coarse block of a chunk
+(``payloads.block_norms``), and a member's checks hold an average and a reducer's distances to them.
+
+A reducer's own row is never sent to anyone: its sketch, samples and block norms are all its own word. Sketched
+close to the others, so that the rule keeps it whole, it could still move the average far off on a few elements
+that no sample hits. Block norms close that gap from both sides:
+
+- **The average's norm.** Every rule peerd checks here makes each element a combination of the rows', so in
+  every block the average's norm is at most the coefficients' combination of the rows' norms (for trimmed_mean,
+  the root of their squares' sum), give or take the codec's error. A member holds the whole average, so a lie in
+  any block shows unless its row's stated norm there covers it.
+- **The distances.** Two rows' norms in a block differ by no more than the rows do there, so the sum over blocks
+  of the norms' squared differences is at most the rows' squared distance (for a lone row, its squared norm).
+  A row whose stated norms cover a lie must then be as far from the others as the lie is large, and the rule's
+  coefficients, which follow from the distances, weigh it as such.
+
+What a reducer can still hide is a row that stays within the distance it states: as much as any member's row,
+which the rule weighs. Both bounds hold for honest rows exactly, but for float rounding, which the slack covers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peerd.averaging.verify.payloads import PayloadView, block_norms, error_norms
+
+__all__ = ["average_too_large", "rows_too_far"]
+
+# float32 rounding of a stated norm (round to nearest: 2^-24 of it), twice over for safety
+NORM_ROUNDING = 2.0**-22
+# float32 sums of up to 64 rows, relative to the magnitudes summed (checks.ACCUMULATION)
+ACCUMULATION = 1e-5
+# a reducer's float32 Gram matrix against the exact distances (rows that differ by 1e-5 of their norm keep
+# their distances to ~1e-3 in aggregation.differences), and the slack its checks allow beside it
+DISTANCE_SLACK, DISTANCE_FLOAT = 1.01, 1e-5
+TINY = 1e-30
+
+
+def average_too_large(out: torch.Tensor, payload: PayloadView, block_size: int, norms: torch.Tensor,
+                      coefficients: torch.Tensor | None) -> int | None:
+    """The first coarse block where the average ``out`` (this member's decoded chunk, coded as ``payload``) is
+    larger than the rows' stated ``norms`` (rows x blocks, float64) allow under ``coefficients`` (None:
+    trimmed_mean over the rows given), or None."""
+    own = block_norms(out, block_size)
+    if own.shape != norms.shape[1:]:
+        return 0
+    stated = norms * (1 + NORM_ROUNDING)
+    if coefficients is None:
+        bound = (stated**2).sum(0).sqrt()
+    else:
+        bound = coefficients.abs() @ stated
+    allowed = bound * (1 + ACCUMULATION) + error_norms(payload, out, block_size) + TINY
+    over = (own > allowed).nonzero()
+    return int(over[0]) if over.numel() else None
+
+
+def rows_too_far(norms: torch.Tensor, squared: torch.Tensor, around: torch.Tensor) -> bool:
+    """Whether the rows' stated block ``norms`` (distinct rows x blocks, float64) put some two rows, or a row and
+    zero, further apart than the squared distances ``squared`` the reducer published (rows x rows; or, a vector,
+    the rows' squared norms); ``around``: each row's squared distance from the medoid (or squared norm), which
+    sets the float slack."""
+    if squared.dim() == 2:
+        gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_ROUNDING * (norms[:, None, :] + norms[None, :, :])
+        slack = DISTANCE_FLOAT * (around[:, None] + around[None, :])
+    else:
+        gap = norms * (1 - NORM_ROUNDING)
+        slack = DISTANCE_FLOAT * around
+    lower = (gap.clamp_min(0) ** 2).sum(-1)
+    return bool((lower > squared * DISTANCE_SLACK + slack + TINY).any())
