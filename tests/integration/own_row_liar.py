@@ -1,6 +1,7 @@
 """A reducer that lies about its own row, for tests only: `python -m tests.integration.own_row_liar start ...` is
-`peerd start ...` (centered_clip) that, in every lossy round, hands back -1000 times the honest average of its
-span (on a random fraction ``PEERD_TEST_LIE_FRACTION`` of its elements, 1 by default) and makes it look right: its
+`peerd start ...` (centered_clip) that, in every lossy round, hands back ``PEERD_TEST_LIE_SCALE`` (-1000 by default)
+times the honest average of its span (on a random fraction ``PEERD_TEST_LIE_FRACTION`` of its elements, 1 by
+default) and makes it look right: its
 Gram matrix, coefficients and sketch put its own row at the mean of the others' (so the rule keeps it whole), and
 its samples, envelope and block norms state the row far off that makes the lie the rule's result at every
 coordinate. Its sealed row is its honest one; what it states of it after the seed is the lie. A member lying with
@@ -24,7 +25,7 @@ from peerd.cli import main
 from peerd.config import CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 
-SCALE = -1000.0
+SCALE = float(os.environ.get("PEERD_TEST_LIE_SCALE", "-1000"))
 FRACTION = float(os.environ.get("PEERD_TEST_LIE_FRACTION", "1"))
 BLOCK = CodecConfig().block_size
 
