@@ -28,7 +28,7 @@ from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, differences,
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
 from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
-from peerd.averaging.verify.energy import NORM_ROUNDING
+from peerd.averaging.verify.energy import NORM_TOLERANCE
 from peerd.averaging.verify.keys import KeyBook
 from peerd.averaging.verify.payloads import (
     TINY,
@@ -132,7 +132,7 @@ def _misstated(member: MemberSamples, statement: Statement, index: int, row: tor
         return f"its envelope of span {statement.span} chunk {index} is not its sealed row's"
     norms = block_norms(row, config.codec.block_size)
     if stated.norms[index].shape != norms.shape or bool(
-            ((stated.norms[index] - norms).abs() > NORM_ROUNDING * norms + TINY).any()):
+            ((stated.norms[index] - norms).abs() > NORM_TOLERANCE * norms + TINY).any()):
         return f"its block norms of span {statement.span} chunk {index} are not its sealed row's"
     if stated.sketch is not None:
         true = randomness.sketch(statement.span, index, row)

@@ -26,8 +26,9 @@ from peerd.averaging.verify.payloads import PayloadView, block_norms, error_norm
 
 __all__ = ["average_too_large", "rows_too_far"]
 
-# float32 rounding of a stated norm (round to nearest: 2^-24 of it), twice over for safety
-NORM_ROUNDING = 2.0**-22
+# a stated norm against the row's: float32 sums of squares (~1e-7 from exact), added in another order on
+# another machine, and the stated value rounded to float32; a misstatement that small moves nothing
+NORM_TOLERANCE = 1e-5
 # float32 sums of up to 64 rows, relative to the magnitudes summed (checks.ACCUMULATION)
 ACCUMULATION = 1e-5
 # a reducer's float32 Gram matrix against the exact distances (rows that differ by 1e-5 of their norm keep
@@ -44,7 +45,7 @@ def average_too_large(out: torch.Tensor, payload: PayloadView, block_size: int, 
     own = block_norms(out, block_size)
     if own.shape != norms.shape[1:]:
         return 0
-    stated = norms * (1 + NORM_ROUNDING)
+    stated = norms * (1 + NORM_TOLERANCE)
     if coefficients is None:
         bound = (stated**2).sum(0).sqrt()
     else:
@@ -60,10 +61,10 @@ def rows_too_far(norms: torch.Tensor, squared: torch.Tensor, around: torch.Tenso
     the rows' squared norms); ``around``: each row's squared distance from the medoid (or squared norm), which
     sets the float slack."""
     if squared.dim() == 2:
-        gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_ROUNDING * (norms[:, None, :] + norms[None, :, :])
+        gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_TOLERANCE * (norms[:, None, :] + norms[None, :, :])
         slack = DISTANCE_FLOAT * (around[:, None] + around[None, :])
     else:
-        gap = norms * (1 - NORM_ROUNDING)
+        gap = norms * (1 - NORM_TOLERANCE)
         slack = DISTANCE_FLOAT * around
     lower = (gap.clamp_min(0) ** 2).sum(-1)
     return bool((lower > squared * DISTANCE_SLACK + slack + TINY).any())

@@ -222,11 +222,15 @@ def block_norms(decoded: torch.Tensor, block_size: int) -> torch.Tensor:
     coarse = COARSE_BLOCKS * block_size
     full = decoded.numel() // coarse
     norms = torch.zeros(-(-decoded.numel() // coarse), dtype=torch.float64)
-    if full:
-        norms[:full] = torch.linalg.vector_norm(decoded[: full * coarse].view(full, coarse), dim=1,
-                                                dtype=torch.float64)
+    rows = decoded[: full * coarse].view(full, coarse)
+    if full:  # in float32, 8x faster than in float64, within ~1e-7 of it
+        norms[:full] = torch.linalg.vector_norm(rows, dim=1)
     if norms.numel() > full:
         norms[full] = torch.linalg.vector_norm(decoded[full * coarse :], dtype=torch.float64)
+    # float32 squares overflow past ~1e19 and lose precision below ~1e-19: those blocks again in float64
+    odd = (~norms[:full].isfinite() | (norms[:full] < 1e-15)).nonzero().flatten()
+    if odd.numel():
+        norms[odd] = torch.linalg.vector_norm(rows[odd], dim=1, dtype=torch.float64)
     return norms
 
 
