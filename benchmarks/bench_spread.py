@@ -139,7 +139,7 @@ def main() -> None:
     print(format_table(["codec", "pairs x chunks x seeds", "largest ratio", "mean", "alarms"], table))
     print("the block norms (largest ratio to what the check allows):")
     print(format_table(["codec", "distances", "the mean's norms"], energy))
-    lies = [[f"{fraction:.1%}", *(f"{caught(fraction, args.trials, on)} of {args.trials}" for on in (False, True))]
+    lies = [[f"{fraction:.2%}", *(f"{caught(fraction, args.trials, on)} of {args.trials}" for on in (False, True))]
             for fraction in (1.0, 0.1, 0.05, 0.02, 0.01, 0.002, 0.0005)]
     print("a reducer sampling its own row far off, -1000x on a fraction of the elements:")
     print(format_table(["elements lied on", "caught: spread check alone", "every check"], lies))
