@@ -9,16 +9,21 @@ from peerd.launcher import LocalSwarm, PeerProcess
 from peerd.wire.membership import generate_secret
 from tests.helpers import PATCHED_ENV
 
-__all__ = ["honest_peer", "private", "spawn"]
+__all__ = ["honest_peer", "new_secret", "private", "spawn"]
 
 
-def private(config: Path, log_dir: Path, *extra: str) -> LocalSwarm:
-    """A swarm of ``config`` whose peers hold a fresh secret, kept in ``log_dir``; ``extra``: more arguments for
-    every peer."""
+def new_secret(log_dir: Path) -> Path:
+    """A fresh swarm secret, kept in ``log_dir`` (made if missing)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     secret = log_dir / "swarm.secret"
     generate_secret(secret)
-    return LocalSwarm(config, log_dir=log_dir, extra_args=["--swarm-secret", str(secret), *extra])
+    return secret
+
+
+def private(config: Path, log_dir: Path, *extra: str) -> LocalSwarm:
+    """A swarm of ``config`` whose peers hold a fresh secret (:func:`new_secret`); ``extra``: more arguments for
+    every peer."""
+    return LocalSwarm(config, log_dir=log_dir, extra_args=["--swarm-secret", str(new_secret(log_dir)), *extra])
 
 
 def spawn(swarm: LocalSwarm, name: str, module: str = "peerd", extra: tuple[str, ...] = ()) -> PeerProcess:

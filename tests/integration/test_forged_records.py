@@ -30,8 +30,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from peerd.launcher import LocalSwarm, wait_for
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordSigner
-from peerd.wire.membership import Membership, generate_secret
+from peerd.wire.membership import Membership
 from tests.helpers import LOCAL_CONFIG
+from tests.integration.swarms import private
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +42,7 @@ REASONS = ("malformed", "wrong_signer", "expiration_mismatch", "expiration_too_f
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
-    secret = tmp_path / "swarm.secret"
-    generate_secret(secret)
-    with LocalSwarm(LOCAL_CONFIG, log_dir=tmp_path, extra_args=["--swarm-secret", str(secret)]) as local:
+    with private(LOCAL_CONFIG, tmp_path) as local:
         yield local
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from peerd.launcher import PeerProcess, wait_for
-from peerd.wire.membership import generate_secret
 from tests.helpers import LOCAL_CONFIG, PATCHED_ENV, REPO
+from tests.integration.swarms import new_secret
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -46,9 +46,7 @@ def listed(observer: PeerProcess, peer_id: str) -> bool:
 
 def far_expirations(log_dir: Path, undefended: bool) -> tuple[bool, bool]:
     """Returns whether the honest peer listed the lying member while it lived, and AFTERLIFE s after it died."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    secret = log_dir / "swarm.secret"
-    generate_secret(secret)
+    secret = new_secret(log_dir)
     module, extra = ("tests.integration.undefended", ("--undefended", "expiration-cap")) if undefended else ("peerd", ())
     honest = peer("honest", log_dir, secret, module, extra)
     liar = None
@@ -84,9 +82,7 @@ def test_a_record_cannot_outlive_its_author(tmp_path: Path) -> None:
 def stranger_reads(log_dir: Path, undefended: bool) -> tuple[str, bytes]:
     """A member runs; a stranger reads ``<run>.peers`` from the DHT. Returns the member's peer id and every
     payload byte the stranger got."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    secret = log_dir / "swarm.secret"
-    generate_secret(secret)
+    secret = new_secret(log_dir)
     module, extra = ("tests.integration.undefended", ("--undefended", "sealing")) if undefended else ("peerd", ())
     member = peer("member", log_dir, secret, module, extra)
     try:

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from peerd.launcher import PeerProcess
-from peerd.wire.membership import generate_secret
 from tests.helpers import LOCAL_CONFIG, REPO
+from tests.integration.swarms import new_secret
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -76,10 +76,7 @@ def attack(log_dir: Path, secret: Path | None, undefended: str | None) -> dict[s
 
 @pytest.mark.parametrize("private", [False, True], ids=["open", "private"])
 def test_costly_keys_cost_the_victim_nothing(private: bool, tmp_path: Path) -> None:
-    secret = None
-    if private:
-        secret = tmp_path / "swarm.secret"
-        generate_secret(secret)
+    secret = new_secret(tmp_path) if private else None
     # open swarm: the key check is the defence; private: the member tag, checked first, is enough on its own
     defended = attack(tmp_path / "defended", secret, "key-check" if private else None)
     undefended = attack(tmp_path / "undefended", secret, "key-check,tag-first" if private else "key-check")

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from peerd.averaging.allreduce import HANDLER_NAME
-from peerd.launcher import LocalSwarm, PeerProcess, wait_for
-from peerd.wire.membership import generate_secret
+from peerd.launcher import PeerProcess, wait_for
 from tests.helpers import REPO, rounds, time_rounds
+from tests.integration.swarms import private
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -43,13 +43,9 @@ def run(log_dir: Path, undefended: bool) -> tuple[float, float | None, dict[str,
     """Two members train; once they averaged, the strangers attack the second. Returns the seconds the second
     member took for ROUNDS rounds before the attack and under it (None: not within 3x as long plus 30 s), and
     what it refused meanwhile."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    secret = log_dir / "swarm.secret"
-    generate_secret(secret)
-    args = ["--swarm-secret", str(secret), *LIMITS]
-    with LocalSwarm(SYNTHETIC, log_dir=log_dir, extra_args=args) as swarm:
+    with private(SYNTHETIC, log_dir, *LIMITS) as swarm:
         swarm.add_peer(timeout=90)
-        victim_args = ["--config", str(SYNTHETIC), "--control-port", "0", *args,
+        victim_args = ["--config", str(SYNTHETIC), "--control-port", "0", *swarm.extra_args,
                        "--initial-peers", swarm.peers[0].ready["maddrs"][0]]
         if undefended:
             victim_args += ["--undefended", "stream-pools"]

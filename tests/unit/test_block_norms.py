@@ -32,7 +32,8 @@ def sparse_lie(span: Span, seed: int, elements: int) -> torch.Tensor:
     average = span.decoded[1:].mean(0)
     candidates = (average.abs() >= average.square().mean().sqrt()).nonzero().flatten()
     lie_on = torch.zeros(NUMEL, dtype=torch.bool)
-    lie_on[candidates[torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(seed))[:elements]]] = True
+    chosen = torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(seed))[:elements]
+    lie_on[candidates[chosen]] = True
     return lie_on
 
 

@@ -31,8 +31,9 @@ from peerd.wire import codec, topk
 from peerd.wire.codec import HEADER, MIN_SCALE, TOPK_BITS, Scheme
 from peerd.wire.feedback import encode_with_feedback
 
-__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "average_count", "block_norms", "bounded", "checks_averages",
-           "clamp_residual", "code_average", "envelope", "error_bound", "error_norms", "scheme_of", "sent_count", "view"]
+__all__ = ["COARSE_BLOCKS", "PayloadView", "average_code", "average_count", "block_norms", "bounded",
+           "checks_averages", "clamp_residual", "code_average", "envelope", "error_bound", "error_norms", "scheme_of",
+           "sent_count", "view"]
 
 COARSE_BLOCKS = 32
 ERROR_SLACK = 1.01  # |average - exact| <= 1.002 scales with the clamped residual; bf16 scales round up

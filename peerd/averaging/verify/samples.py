@@ -1,9 +1,9 @@
 """A member's samples: what it reveals of its own rows once the round's seed is known.
 
 For every span it has a row in (the span it reduces included), per chunk: its decoded row at the sampled
-coordinates, its envelope and norm per coarse block, and (robust rules) its sketch. It signs them, so a member that misstates its own row
-to make an honest reducer's average look wrong is caught when that reducer reveals the sealed row
-(disputes.py).
+coordinates, its envelope and norm per coarse block, and (robust rules) its sketch. It signs them, so a member
+that misstates its own row to make an honest reducer's average look wrong is caught when that reducer reveals
+the sealed row (disputes.py).
 """
 
 from __future__ import annotations
