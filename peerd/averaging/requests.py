@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from peerd.averaging.group import Group
 from peerd.proto import peerd_averaging_pb2 as pb
 
-PROTOCOL_VERSION = 4
+# raised whenever a round message changes meaning or layout, so peers of different versions refuse each other's
+# requests with a reason instead of failing each other's checks
+PROTOCOL_VERSION = 5
 MAX_WEIGHT = 1e12
 
 
