@@ -14,7 +14,10 @@ answers took as long on average, does not count either: a peer answering just un
 not once, and so is one late in only some of its answers (two in five, in the test) but by enough to add as much
 to its requests on average. Either is a failure to hivemind, whose blacklist then skips that peer in lookups for
 5 s, doubling while it stays slow (and stores, which hivemind sends to blacklisted peers too, skip it here); an
-honest peer that was slow for a moment is asked again after 5 s and forgiven by its next answer in time.
+honest peer that was slow for a moment is asked again after 5 s and forgiven once its answers are in time on
+average again (six in time after one 0.9 s late, at the test's typical 17 ms). Until then an answer in time does
+not forgive it (hivemind's blacklist forgets every ban on one): a peer late in two answers of five would be
+banned for 5 s again and again, and delay a lookup every few seconds.
 
 hivemind builds the node's ``DHTProtocol`` itself, with no way to pass another class; :func:`bound_waits`
 switches the running protocol's class to one that times its answers, where the node runs (``run_coroutine``).
@@ -68,8 +71,7 @@ class WaitBound:
             if seconds >= wait and wait < self.ceiling:
                 self.cut += 1
             return False
-        typical = self._answers.typical()
-        late = max(QUICK, self.ratio * typical) if self.ratio is not None and typical is not None else math.inf
+        late = self._late()
         earlier = self._answers.mean(peer) if seconds > late else None  # before this answer joins them
         self._answers.observe(peer, seconds)
         if seconds > late and self._answers.count(peer) >= RULE and max(
@@ -77,6 +79,30 @@ class WaitBound:
             self.cut += 1
             return False
         return True
+
+    def slow(self, peer: str) -> bool:
+        """Whether ``peer`` answers late as a rule: the median or the mean of its kept answers (``RULE`` of them at
+        least) is later than ``ratio`` times the typical peer's answer time (and 0.1 s)."""
+        if self._answers.count(peer) < RULE:
+            return False
+        late = self._late()
+        return max(self._answers.median(peer) or 0.0, self._answers.mean(peer) or 0.0) > late
+
+    def _late(self) -> float:
+        typical = self._answers.typical()
+        return max(QUICK, self.ratio * typical) if self.ratio is not None and typical is not None else math.inf
+
+
+class _PatientBlacklist(Blacklist):  # type: ignore[misc]  # hivemind ships no type information
+    """hivemind's blacklist, except that an answer in time does not forgive a peer slow as a rule
+    (:meth:`WaitBound.slow`): its next late answer bans it twice as long as the last, not 5 s again. ``bound`` is
+    set when the class is switched."""
+
+    bound: WaitBound
+
+    def register_success(self, peer: PeerID) -> None:
+        if not self.bound.slow(str(peer)):
+            super().register_success(peer)
 
 
 class _BoundedProtocol(DHTProtocol):  # type: ignore[misc]  # hivemind ships no type information
@@ -128,6 +154,8 @@ async def bound_waits(ratio: float | None, floor: float, _dht: object, node: DHT
     bound = WaitBound(ratio, floor, float(protocol.__dict__.get("wait_timeout", floor)))
     protocol.__class__ = _BoundedProtocol
     protocol.bound = bound
+    node.blacklist.__class__ = _PatientBlacklist
+    node.blacklist.bound = bound
     protocol.blacklist = node.blacklist
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from hivemind.dht.node import DHTNode
+from hivemind.dht.node import Blacklist, DHTNode
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
+from peerd.swarm import stragglers
 from peerd.swarm.stragglers import WaitBound, bound_waits
 
 
@@ -72,6 +74,36 @@ def test_late_answers_of_a_peer_late_in_only_some_of_its_answers_do_not_count_on
     assert all(verdicts[i] for i in range(20) if i % 5 in (0, 1, 3))  # its answers in time always count
     assert not any(verdicts[i] for i in range(4, 20) if i % 5 in (2, 4))
     assert bound.cut == 7
+
+
+def test_an_answer_in_time_does_not_forgive_a_peer_late_as_a_rule_and_does_forgive_a_slow_moment() -> None:
+    """hivemind's blacklist forgets a ban on any answer in time: a peer late in two answers of five was banned
+    for 5 s again and again. Late as a rule, its bans now double; an honest peer's slow moment is forgiven."""
+    bound = WaitBound(8.0, 1.0, 5.0)
+    blacklist = Blacklist(5.0, 2.0)
+    blacklist.__class__ = stragglers._PatientBlacklist
+    blacklist.bound = bound
+    for peer in "abc":
+        for _ in range(4):
+            bound.answered(peer, 0.01, 5.0, ok=True)
+    sly, honest = PeerID(b"sly"), PeerID(b"honest")
+    for seconds in [0.01, 0.01, 0.9, 0.01, 0.9]:
+        bound.answered(str(sly), seconds, 1.0, ok=True)
+    assert bound.slow(str(sly))
+    blacklist.register_failure(sly)
+    blacklist.banned_peers.clear()  # its ban ran out
+    blacklist.register_success(sly)  # an answer in time
+    blacklist.register_failure(sly)
+    assert blacklist.ban_counter[sly] == 2  # banned 10 s this time, not 5 s again
+    for seconds in [0.01, 0.01, 0.01, 0.9]:  # a slow moment: late on average until its answers in time outweigh it
+        bound.answered(str(honest), seconds, 1.0, ok=True)
+    blacklist.register_failure(honest)
+    blacklist.banned_peers.clear()
+    for _ in range(7):
+        bound.answered(str(honest), 0.01, 1.0, ok=True)
+        blacklist.register_success(honest)
+    assert not bound.slow(str(honest))
+    assert blacklist.ban_counter[honest] == 0 and honest not in blacklist
 
 
 def test_a_request_cut_by_the_bound_is_counted_and_a_failure_at_the_ceiling_is_not() -> None:
