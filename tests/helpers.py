@@ -88,8 +88,8 @@ async def p2p_daemons(n: int, listen: str = LISTEN["tcp"],
 
     The dials are why a test's first stream opens at once: without them a daemon finds another only through
     p2pd's own DHT, whose routing table fills a moment after the bootstrap connection (on a loaded machine a
-    stream opened at once failed with "failed to find any peer in table"). A daemon dials the peers it reads
-    in the swarm's records the same way (``peerd.wire.p2pd_control.connect``)."""
+    stream opened at once failed with "failed to find any peer in table"). A daemon that re-bootstraps dials
+    peers the same way (``peerd.wire.p2pd_control.connect``)."""
     from hivemind.p2p import P2P
 
     from peerd.wire import p2pd_control
