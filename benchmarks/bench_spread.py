@@ -27,7 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from peerd.averaging.verify import checks
 from peerd.averaging.verify.checks import Inconsistent, check_chunk, spread_bounds
-from peerd.averaging.verify.energy import DISTANCE_SLACK, NORM_TOLERANCE
+from peerd.averaging.verify.energy import DISTANCE_SLACK, distance_floor
 from peerd.averaging.verify.payloads import block_norms, error_norms, view
 from peerd.averaging.verify.randomness import SAMPLES, RoundRandomness
 from peerd.config import CodecConfig
@@ -86,8 +86,7 @@ def honest_energy(rows: torch.Tensor, scheme: str, chunk_numel: int) -> tuple[fl
         norms = torch.stack([block_norms(row, config.block_size) for row in decoded]).float().double()
         exact = decoded.double()
         squared = ((exact[:, None, :] - exact[None, :, :]) ** 2).sum(-1)
-        gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_TOLERANCE * (norms[:, None, :] + norms[None, :, :])
-        lower = (gap.clamp_min(0) ** 2).sum(-1)
+        lower = distance_floor(norms)
         off = ~torch.eye(len(decoded), dtype=torch.bool)
         distance = max(distance, float((lower[off] / (squared[off] * DISTANCE_SLACK)).max()))
         payload = bytes(codec.encode(decoded.mean(0), CodecConfig(min_compress_numel=0)))

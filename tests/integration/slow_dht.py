@@ -1,7 +1,10 @@
 """A member whose DHT node answers slowly, for tests only: `python -m tests.integration.slow_dht start ...` is
 `peerd start ...` whose DHT node holds find and store requests SLOW_DHT_SECONDS (default 4.5: just under the
 default swarm.request_timeout of 5 s) before answering them honestly: every one, or a share SLOW_DHT_SHARE of
-them, spread evenly (0.4: two of every five). Its own requests, and everything else it does, stay honest. hivemind's DHT child is forked from this process after the patch, so it answers slowly too."""
+them, spread evenly (0.4: two of every five); with SLOW_DHT_SWITCH (a file's path), only while that file exists, so
+that a test can time the same swarm with it slow and not, window after window. Its own requests, and everything
+else it does, stay honest. hivemind's DHT child is forked from this process after the patch, so it answers
+slowly too."""
 
 from __future__ import annotations
 
@@ -18,11 +21,14 @@ from peerd.cli import main
 
 DELAY = float(os.environ.get("SLOW_DHT_SECONDS", "4.5"))
 SHARE = float(os.environ.get("SLOW_DHT_SHARE", "1"))
+SWITCH = os.environ.get("SLOW_DHT_SWITCH")
 _answered = itertools.count()
 
 
 async def _hold() -> None:
-    """Holds this request DELAY seconds if it is one of the SHARE held."""
+    """Holds this request DELAY seconds if it is one of the SHARE held (and the switch, if any, is on)."""
+    if SWITCH is not None and not os.path.exists(SWITCH):
+        return
     n = next(_answered)
     if math.floor((n + 1) * SHARE) > math.floor(n * SHARE):
         await asyncio.sleep(DELAY)

@@ -24,7 +24,7 @@ import torch
 
 from peerd.averaging.verify.payloads import PayloadView, block_norms, error_norms
 
-__all__ = ["average_too_large", "rows_too_far"]
+__all__ = ["average_too_large", "distance_floor", "rows_too_far"]
 
 # a stated norm against the row's: float32 sums of squares (~1e-7 from exact), added in another order on
 # another machine, and the stated value rounded to float32; a misstatement that small moves nothing
@@ -61,10 +61,16 @@ def rows_too_far(norms: torch.Tensor, squared: torch.Tensor, around: torch.Tenso
     the rows' squared norms); ``around``: each row's squared distance from the medoid (or squared norm), which
     sets the float slack."""
     if squared.dim() == 2:
-        gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_TOLERANCE * (norms[:, None, :] + norms[None, :, :])
+        lower = distance_floor(norms)
         slack = DISTANCE_FLOAT * (around[:, None] + around[None, :])
     else:
-        gap = norms * (1 - NORM_TOLERANCE)
+        lower = ((norms * (1 - NORM_TOLERANCE)) ** 2).sum(-1)
         slack = DISTANCE_FLOAT * around
-    lower = (gap.clamp_min(0) ** 2).sum(-1)
     return bool((lower > squared * DISTANCE_SLACK + slack + TINY).any())
+
+
+def distance_floor(norms: torch.Tensor) -> torch.Tensor:
+    """The least squared distance (rows x rows) that the rows' stated block ``norms`` (rows x blocks) allow between
+    each two rows, given the tolerance a stated norm is checked to."""
+    gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_TOLERANCE * (norms[:, None, :] + norms[None, :, :])
+    return (gap.clamp_min(0) ** 2).sum(-1)
