@@ -1,7 +1,7 @@
 """A reducer that lies about its own row, for tests only: `python -m tests.integration.own_row_liar start ...` is
 `peerd start ...` (centered_clip) that, in every lossy round, hands back ``PEERD_TEST_LIE_SCALE`` (-1000 by default)
-times the honest average of its span (on a random fraction ``PEERD_TEST_LIE_FRACTION`` of its elements, 1 by
-default) and makes it look right: its
+times the honest average of its span (on the fraction ``PEERD_TEST_LIE_FRACTION`` of its elements largest in the
+average, 1 by default) and makes it look right: its
 Gram matrix, coefficients and sketch put its own row at the mean of the others' (so the rule keeps it whole), and
 its samples, envelope and block norms state the row far off that makes the lie the rule's result at every
 coordinate. Its sealed row is its honest one; what it states of it after the seed is the lie. A member lying with
@@ -52,7 +52,10 @@ def _lying_combine(self: robust.RobustChunks, index: int, included: set[str], nu
     mine = ranks.index(self.rank)
     lie = SCALE * out.double()
     if FRACTION < 1:
-        lie = torch.where(torch.rand(numel) < FRACTION, lie, out.double())
+        # the elements largest in the average, where the lie does the most harm: the members' samples fall at
+        # coordinates the reducer cannot predict, so which elements it picks does not help them find it
+        picked = out.abs().topk(max(1, round(FRACTION * numel))).indices
+        lie = out.double().index_copy(0, picked, lie[picked])
     rest = coefficients[[i for i in range(len(ranks)) if i != mine]] @ true_others
     far = ((lie - rest) / coefficients[mine]).float()
     out.copy_(lie)
