@@ -82,6 +82,8 @@ class StatusCollector(Collector):
         yield by_label(dropped, mapping(status, "records_dropped"))
         yield counter("peerd_dht_requests_cut", "DHT requests cut short by the wait bound, or answered too late to "
                       "count (swarm.dht_wait_ratio).", number(status, "dht_requests_cut"))
+        yield counter("peerd_dht_peers_kept_out", "Times a DHT node that proved no membership was kept out of "
+                      "this peer's routing table (private swarms).", number(status, "dht_peers_kept_out"))
         yield from self._membership(mapping(status, "membership"))
         yield from self._reachability(mapping(status, "reachability"))
 

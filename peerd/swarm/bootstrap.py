@@ -21,7 +21,7 @@ from peerd.swarm.clock import clock_skew_error
 from peerd.swarm.inprocess import InProcessDHT
 from peerd.swarm.reach import p2pd_options
 from peerd.swarm.signing import RecordLifetimes
-from peerd.swarm.stragglers import bound_waits
+from peerd.swarm.stragglers import guard_node
 from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
 
@@ -95,7 +95,7 @@ async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bo
     validators = [SignedRecordValidator(membership, lifetimes)]
     if in_process:
         node = await InProcessDHT.create(list(config.initial_peers), validators, p2pd_flags, **kwargs)
-        await node.run_coroutine(partial(bound_waits, config.dht_wait_ratio, config.dht_wait_floor))
+        await node.run_coroutine(partial(guard_node, config.dht_wait_ratio, config.dht_wait_floor))
         return node
     # here, not at the top: hivemind's DHT class imports torch, which a light peer never loads
     from peerd.swarm.process import IsolatedDHT
@@ -105,7 +105,7 @@ async def start_dht(config: SwarmConfig, identity_path: Path, fresh_identity: bo
     dht.run_in_background(await_ready=False)
     try:  # blocking the loop is fine here: nothing else runs on it before the swarm is up
         dht.wait_until_ready(timeout=config.startup_timeout)
-        dht.run_coroutine(partial(bound_waits, config.dht_wait_ratio, config.dht_wait_floor))
+        dht.run_coroutine(partial(guard_node, config.dht_wait_ratio, config.dht_wait_floor))
     except BaseException:
         dht.shutdown()
         raise

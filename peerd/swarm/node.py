@@ -31,7 +31,7 @@ from peerd.swarm.latency import LatencyWindow
 from peerd.swarm.reach import Reachability, free_loopback_port
 from peerd.swarm.records import PeerRecord, parse_record
 from peerd.swarm.signing import RecordLifetimes, RecordSigner, RecordVerifier, key_id
-from peerd.swarm.stragglers import cut_requests
+from peerd.swarm.stragglers import node_bookkeeping
 from peerd.swarm.validator import node_drop_counts
 from peerd.swarm.view import rebootstrap_node
 from peerd.wire.membership import Membership
@@ -50,9 +50,10 @@ class SeenPeer:
     expires_at: float
 
 
-async def node_counts(dht: object, node: DHTNode) -> tuple[dict[str, int], int]:
-    """Run where the DHT node runs (``run_coroutine``), in one round trip: its refused records and cut requests."""
-    return await node_drop_counts(dht, node), await cut_requests(dht, node)
+async def node_counts(dht: object, node: DHTNode) -> tuple[dict[str, int], int, int]:
+    """Run where the DHT node runs (``run_coroutine``), in one round trip: its refused records, cut requests and
+    the peers it kept out of its routing table."""
+    return (await node_drop_counts(dht, node), *await node_bookkeeping(dht, node))
 
 
 class SwarmNode:
@@ -196,19 +197,20 @@ class SwarmNode:
         self._log_dropped(str(error.context.get("peer_id", "unknown")), logging.WARNING, "Dropping invalid record: %s",
                           error)
 
-    async def dht_counts(self) -> tuple[dict[str, int], int | None]:
-        """Records refused, by reason (by this daemon's readers plus its DHT node's stores and answers), and the
-        DHT requests its wait bound cut short (``stragglers.py``; None when the DHT node could not be read)."""
+    async def dht_counts(self) -> tuple[dict[str, int], int | None, int | None]:
+        """Records refused, by reason (by this daemon's readers plus its DHT node's stores and answers), the
+        DHT requests its wait bound cut short (``stragglers.py``) and the peers its routing table kept out
+        (``admission.py``; both None when the DHT node could not be read)."""
         counts = self.verifier.counts()
         try:
             future = self.dht.run_coroutine(node_counts, return_future=True)
-            child, cut = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
+            child, cut, kept_out = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
         except (TimeoutError, OSError, RuntimeError) as e:
             logger.debug("Could not read the DHT node's counts: %r", e)
-            return counts, None
+            return counts, None, None
         for reason, count in child.items():
             counts[reason] = counts.get(reason, 0) + count
-        return counts, int(cut)
+        return counts, int(cut), int(kept_out)
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
         return {subkey: value for subkey, (value, _) in (await self.read_entries(key)).items()}

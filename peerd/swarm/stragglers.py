@@ -19,8 +19,9 @@ average again (six in time after one 0.9 s late, at the test's typical 17 ms). U
 not forgive it (hivemind's blacklist forgets every ban on one): a peer late in two answers of five would be
 banned for 5 s again and again, and delay a lookup every few seconds.
 
-hivemind builds the node's ``DHTProtocol`` itself, with no way to pass another class; :func:`bound_waits`
-switches the running protocol's class to one that times its answers, where the node runs (``run_coroutine``).
+hivemind builds the node's ``DHTProtocol`` itself, with no way to pass another class; :func:`guard_node`
+switches the running protocol's class to one that times its answers and admits only members to its routing
+table (``admission.py``), where the node runs (``run_coroutine``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from hivemind.dht.node import Blacklist, DHTNode
-from hivemind.dht.protocol import DHTProtocol
 from hivemind.p2p import PeerID
 
 from peerd.bounded import PeerMedians
+from peerd.swarm.admission import Admission, AdmittingProtocol
+from peerd.swarm.validator import SignedRecordValidator
+from peerd.wire.membership import Membership
 
-__all__ = ["WaitBound", "bound_waits", "cut_requests"]
+__all__ = ["WaitBound", "guard_node", "node_bookkeeping"]
 
 QUICK = 0.1  # seconds: an answer this fast is never too slow, however fast the typical peer answers
 RULE = 3  # answers of a peer before its median is its rule: a first answer may have waited for a dial
@@ -105,18 +108,12 @@ class _PatientBlacklist(Blacklist):  # type: ignore[misc]  # hivemind ships no t
             super().register_success(peer)
 
 
-class _BoundedProtocol(DHTProtocol):  # type: ignore[misc]  # hivemind ships no type information
-    """hivemind's protocol, waiting as the bound says; ``bound`` and ``blacklist`` (the node's) are set when the
-    class is switched."""
+class _BoundedProtocol(AdmittingProtocol):
+    """hivemind's protocol, admitting members only and waiting as the bound says; ``bound`` and ``blacklist``
+    (the node's) are set when the class is switched."""
 
     bound: WaitBound
     blacklist: Blacklist
-
-    @classmethod
-    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
-        """hivemind names a protocol's handlers after its class: this one's are still DHTProtocol's, which the
-        node registered before the switch and other peers call (and removes at shutdown)."""
-        return str(DHTProtocol._get_handle_name(namespace, method_name))
 
     @property
     def wait_timeout(self) -> float:
@@ -145,21 +142,25 @@ class _BoundedProtocol(DHTProtocol):  # type: ignore[misc]  # hivemind ships no 
         return False
 
 
-async def bound_waits(ratio: float | None, floor: float, _dht: object, node: DHTNode) -> None:
-    """Run where the DHT node runs (``run_coroutine``): its requests wait as a :class:`WaitBound` says (with
-    ``ratio`` None, as hivemind has them: ``request_timeout`` each)."""
-    if ratio is None:
-        return
+async def guard_node(ratio: float | None, floor: float, _dht: object, node: DHTNode) -> None:
+    """Run where the DHT node runs (``run_coroutine``), once it has bootstrapped: its routing table admits only
+    members (the validator's proofs) and its requests wait as a :class:`WaitBound` says (with ``ratio`` None,
+    as hivemind has them: ``request_timeout`` each)."""
     protocol = node.protocol
+    validators = getattr(protocol.record_validator, "_validators", [])  # hivemind's CompositeValidator
+    validator = next((v for v in validators if isinstance(v, SignedRecordValidator)), None)
     bound = WaitBound(ratio, floor, float(protocol.__dict__.get("wait_timeout", floor)))
     protocol.__class__ = _BoundedProtocol
     protocol.bound = bound
+    protocol.admission = validator.admission if validator is not None else Admission(Membership())  # open
     node.blacklist.__class__ = _PatientBlacklist
     node.blacklist.bound = bound
     protocol.blacklist = node.blacklist
 
 
-async def cut_requests(_dht: object, node: DHTNode) -> int:
-    """Run where the DHT node runs: the requests its bound cut short, and the answers that came too late."""
-    bound = getattr(node.protocol, "bound", None)
-    return bound.cut if isinstance(bound, WaitBound) else 0
+async def node_bookkeeping(_dht: object, node: DHTNode) -> tuple[int, int]:
+    """Run where the DHT node runs: the requests its bound cut short (and answers that came too late to count),
+    and the peers it kept out of its routing table."""
+    protocol = node.protocol
+    bound, admission = getattr(protocol, "bound", None), getattr(protocol, "admission", None)
+    return (bound.cut if isinstance(bound, WaitBound) else 0), (admission.kept_out if admission is not None else 0)

@@ -5,7 +5,8 @@ the same way. A forged value the daemon merely dropped after reading would still
 one inside the DHT (a stranger only needs a later expiration). So the DHT node itself runs
 :class:`SignedRecordValidator` on every value another node asks it to store, every value it stores for the
 daemon, and every answer it gets from another node; hivemind discards a store or a whole answer that fails.
-Its rejections are counted where the DHT node runs and fetched by the daemon with :func:`node_drop_counts`.
+Its rejections are counted where the DHT node runs and fetched by the daemon with :func:`node_drop_counts`; the
+signer of a value that passes is a member, which the node's routing table admits (``admission.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from peerd.errors import ProtocolViolation
 from peerd.log import RateLimitedLog
+from peerd.swarm.admission import Admission
 from peerd.swarm.signing import RecordLifetimes, RecordVerifier
 from peerd.wire.membership import Membership
 
@@ -32,6 +34,7 @@ class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivem
 
     def __init__(self, membership: Membership, lifetimes: RecordLifetimes) -> None:
         self.verifier = RecordVerifier(membership, lifetimes)
+        self.admission = Admission(membership)
         # a stranger's node answers every lookup with its junk, under peer ids it mints at will
         self._log = RateLimitedLog(logger)
 
@@ -47,11 +50,12 @@ class SignedRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivem
             self._log("unknown", logging.WARNING, "DHT refused a record: a value without a text subkey")
             return False
         try:
-            self.verifier.open(record.key, subkey, value, record.expiration_time)
+            opened = self.verifier.open(record.key, subkey, value, record.expiration_time)
         except ProtocolViolation as e:
             self._log(str(e.context.get("peer_id", "unknown")), logging.WARNING, "DHT refused a record: %s",
                       e.message[:500])
             return False
+        self.admission.prove(opened.signer)
         return True
 
     def merge_with(self, other: RecordValidatorBase) -> bool:

@@ -6,9 +6,12 @@
                                                                    IDS identities open STREAMS streams each to
                                                                    PROTOCOL and hold them, silent
     python -m tests.integration.stranger read MADDR KEY           prints the payloads stored under KEY, as stored
+    python -m tests.integration.stranger eclipse MADDR N KEY...   N DHT nodes per KEY, each with a node id next to
+                                                                   KEY's, that take every store and keep nothing
 
 MADDR ends in the target's /p2p/<peer id>. Each command prints one JSON line when its work is done; ``slots``
-then keeps its streams open (reopening any the target refuses or closes) until it is stopped with a signal.
+then keeps its streams open (reopening any the target refuses or closes), and ``eclipse`` its nodes running, until
+it is stopped with a signal.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.serializer import MSGPackSerializer
@@ -124,12 +128,46 @@ async def read(maddr: str, key: str) -> dict[str, Any]:
         await node.shutdown()
 
 
+class BlackHole(DHTLocalStorage):  # type: ignore[misc]  # hivemind ships no type information
+    """A node's storage that says yes to every store and keeps nothing: every find it answers is NOT_FOUND."""
+
+    def store(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def store_subkey(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+
+async def eclipse(maddr: str, per_key: int, keys: list[str]) -> None:
+    """Kademlia stores a key on the nodes whose ids are nearest it, and a node picks its own id: ``per_key``
+    nodes with ids next to each key's (hivemind stores on 5) become where the swarm stores and looks up that key."""
+    nodes = []
+    for key in keys:
+        key_id = int(DHTID.generate(source=key))
+        for i in range(per_key):
+            node = await DHTNode.create(node_id=DHTID(key_id ^ (i + 1)), initial_peers=[maddr],
+                                        host_maddrs=["/ip4/127.0.0.1/tcp/0"], cache_locally=False,
+                                        cache_on_store=False, cache_nearest=0)
+            node.protocol.storage = BlackHole()
+            nodes.append(node)
+    # a lookup of the node's own id from each node: the swarm's nodes add it to their routing tables
+    await asyncio.gather(*(node.find_nearest_nodes([node.node_id]) for node in nodes))
+    print(json.dumps({"nodes": len(nodes), "peer_ids": [str(n.peer_id) for n in nodes]}), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for node in nodes:
+            await node.shutdown()
+
+
 if __name__ == "__main__":
     command, maddr = sys.argv[1], sys.argv[2]
     if command == "cpu":
         print(json.dumps(asyncio.run(cpu(maddr, sys.argv[3], int(sys.argv[4])))), flush=True)
     elif command == "slots":
         asyncio.run(slots(maddr, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
+    elif command == "eclipse":
+        asyncio.run(eclipse(maddr, int(sys.argv[3]), sys.argv[4:]))
     elif command == "read":
         print(json.dumps(asyncio.run(read(maddr, sys.argv[3]))), flush=True)
     else:

@@ -25,7 +25,7 @@ from peerd.averaging.verify import round as verify_round
 from peerd.bounded import PeerMedians
 from peerd.cli import main
 from peerd.experts.client import directory
-from peerd.swarm import sealing, signing
+from peerd.swarm import admission, sealing, signing
 from peerd.training import joining
 from peerd.training.distrust import Distrust
 from peerd.training.evidence import Evidence, Vouched
@@ -175,6 +175,11 @@ def _wait_for_everyone() -> None:
     absences.Absences.apart = lambda self: []  # type: ignore[method-assign]
 
 
+def _admit_anyone() -> None:
+    """Let any node that talks to this peer's DHT node into its routing table, as hivemind does."""
+    admission.Admission.admits = lambda self, peer_id: True  # type: ignore[method-assign]
+
+
 DEFENCES: dict[str, Callable[[], None]] = {
     "key-check": _any_key,
     "tag-first": _verify_first,
@@ -192,6 +197,7 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "block-norms": _no_block_norms,
     "absences": _wait_for_everyone,
     "dht-mean": _median_only,
+    "dht-admission": _admit_anyone,
 }
 
 

@@ -9,7 +9,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.swarm import stragglers
-from peerd.swarm.stragglers import WaitBound, bound_waits
+from peerd.swarm.stragglers import WaitBound, guard_node
 
 
 def test_before_any_answer_a_request_waits_the_ceiling_and_off_it_always_does() -> None:
@@ -123,7 +123,7 @@ def test_a_bounded_node_still_answers_others_finds_them_and_shuts_down_cleanly()
         second = await DHTNode.create(initial_peers=await first.get_visible_maddrs(), wait_timeout=5)
         try:
             for node in (first, second):
-                await bound_waits(8.0, 1.0, None, node)
+                await guard_node(8.0, 1.0, None, node)
             assert await first.store("key", b"value", get_dht_time() + 60, subkey="one")
             found = await second.get("key", latest=True)
             assert found is not None and found.value["one"].value == b"value"
