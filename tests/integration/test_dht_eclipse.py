@@ -34,8 +34,8 @@ PER_KEY = 5  # hivemind stores a key on the 5 nodes nearest it
 
 def run(log_dir: Path, undefended: str | None) -> tuple[float, float | None, int, bool]:
     """Returns the second member's seconds for ``ROUNDS`` rounds before the strangers came and after (None: not
-    within 3x the first plus 30 s defended, 2x plus 10 s undefended), the peers its DHT node kept out of its routing table, and whether it still
-    saw the first member at the end."""
+    within 3x the first plus 30 s defended, 2x plus 10 s undefended), the times its DHT node kept a node out of
+    its routing table, and whether it still saw the first member at the end."""
     with private(SYNTHETIC, log_dir) as swarm:
         first = honest_peer(swarm, "member0", undefended)
         first.wait_ready(90)
@@ -63,7 +63,7 @@ def run(log_dir: Path, undefended: str | None) -> tuple[float, float | None, int
         sees_first = any(p["peer_id"] == first.peer_id for p in status["peers"])
         print(f"undefended={undefended}: {ROUNDS} rounds in {before:.1f} s before the strangers came, "
               f"{after if after is None else round(after, 1)} s after; the member kept "
-              f"{status['dht_peers_kept_out']} requests of nodes out of its routing table and sees the other "
+              f"nodes out of its routing table {status['dht_peers_kept_out']} times and sees the other "
               f"member: {sees_first}")
         return before, after, int(status["dht_peers_kept_out"]), sees_first
 

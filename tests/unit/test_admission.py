@@ -1,0 +1,65 @@
+"""Who a DHT node's routing table admits (peerd/swarm/admission.py): in a private swarm, members only."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.dht.node import DHTNode
+
+from peerd.swarm.admission import Admission
+from peerd.swarm.stragglers import guard_node
+from peerd.wire.membership import Membership
+
+SECRET = bytes(range(32))
+A, B = "12D3KooWPGVdJA78uHzBaDhQwqcrKkim73xy95Amd9qCuoKhvDVB", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+def test_an_open_swarm_admits_anyone_and_an_allowlist_its_peers() -> None:
+    assert Admission(Membership()).admits(A)
+    listed = Admission(Membership(allowlist=frozenset({A})))
+    assert listed.admits(A) and not listed.admits(B)
+
+
+def test_with_a_secret_only_the_signers_of_checked_records_get_in() -> None:
+    admission = Admission(Membership(secret=SECRET))
+    assert not admission.admits(A)
+    admission.prove(A)
+    assert admission.admits(A) and not admission.admits(B)
+    both = Admission(Membership(secret=SECRET, allowlist=frozenset({A})))
+    both.prove(B)  # a record of B's passed, but B is not on the allowlist
+    assert not both.admits(B) and not both.admits(A)
+
+
+def test_proofs_are_bounded_the_least_recent_forgotten() -> None:
+    admission = Admission(Membership(secret=SECRET), limit=2)
+    for peer in ("a", "b", "c"):
+        admission.prove(peer)
+    assert not admission.admits("a") and admission.admits("b") and admission.admits("c")
+
+
+def test_a_node_that_proved_nothing_stays_out_of_the_table_until_it_does() -> None:
+    """A node that talks to a guarded node (here a store and a lookup) is not added to its routing table until a
+    record of its passed the guarded node's checks; the guarded node still answers it."""
+
+    async def scenario() -> None:
+        guarded = await DHTNode.create(wait_timeout=5)
+        await guard_node(8.0, 1.0, None, guarded)
+        guarded.protocol.admission = admission = Admission(Membership(secret=SECRET))
+        other = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5)
+        try:
+            assert await other.store("key", b"value", 1e12, subkey="one")  # unchecked here: no validator
+            assert (await other.get("key", latest=True)) is not None
+            await asyncio.sleep(0)  # hivemind updates the routing table in tasks of their own
+            assert other.peer_id not in guarded.protocol.routing_table and admission.kept_out > 0
+            admission.prove(str(other.peer_id))
+            assert (await other.get("key", latest=True)) is not None
+            for _ in range(100):  # the update is a task of its own: let it run
+                if other.peer_id in guarded.protocol.routing_table:
+                    break
+                await asyncio.sleep(0.01)
+            assert other.peer_id in guarded.protocol.routing_table
+        finally:
+            await other.shutdown()
+            await guarded.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
