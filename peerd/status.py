@@ -94,7 +94,7 @@ async def status_document(peer: Running) -> dict[str, Any]:
     """The ``/status`` document (``peerd status`` renders it; the metrics are computed from it)."""
     assert peer.swarm is not None and peer.presence is not None
     peers, peers_read_age, error = await peer.presence.peers()
-    dropped, cut, kept_out = await peer.swarm.dht_counts()
+    dropped, node = await peer.swarm.dht_counts()
     return {
         "peer_id": peer.swarm.peer_id,
         "run_name": peer.config.run_name,
@@ -113,9 +113,11 @@ async def status_document(peer: Running) -> dict[str, Any]:
         "dht_request_seconds": round(peer.swarm.latency.median(), 4),
         "records_dropped": dropped,
         # DHT requests cut short by the wait bound (a peer answering far slower than the typical one)
-        "dht_requests_cut": cut,
-        # peers this DHT node kept out of its routing table: in a private swarm, any that proved no membership
-        "dht_peers_kept_out": kept_out,
+        "dht_requests_cut": node and node["requests_cut"],
+        # times this DHT node kept a peer out of its routing table: in a private swarm, one that proved no membership
+        "dht_peers_kept_out": node and node["peers_kept_out"],
+        # finds and stores refused for asking about more keys than any peer needs at once
+        "dht_requests_too_large": node and node["requests_too_large"],
         "training": peer.trainer.report.as_dict() if peer.trainer is not None else None,
         "experts": experts_section(peer),
         "membership": peer.guard.status() if peer.guard is not None else {"mode": peer.membership.describe()},

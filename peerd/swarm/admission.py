@@ -13,26 +13,39 @@ member tag proves the secret; every peer publishes its record in its first secon
 member's table, so no member's answer names it and no lookup or store reaches it; it can still ask members
 (their answers name members, whose records are sealed). Initial peers are in the table before this applies:
 they are the operator's choice. An open swarm admits anyone, as hivemind does.
+
+What anyone may ask is bounded too: hivemind answers a find or store of any number of keys, and a find's answer
+names the nearest nodes for each (a stranger's find of 40,000 random keys cost a member about a second of its
+DHT loop, for an answer too large to send). One of more than ``MAX_KEYS`` keys is refused once parsed.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from google.protobuf.message import Message
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
 
 from peerd.bounded import remember
+from peerd.errors import ProtocolViolation
 from peerd.wire.membership import Membership
 
-__all__ = ["Admission", "AdmittingProtocol"]
+__all__ = ["MAX_KEYS", "Admission", "AdmittingProtocol", "bound_requests"]
 
 # peers a node remembers as proven members; beyond it the least recently proven is forgotten (and proves
 # itself again with its next record): only secret holders get in, but they can mint identities
 MAX_PROVEN = 16_384
+# keys of one DHT find or store: peerd reads and writes one key at a time, and a node hands a newcomer the keys it
+# should hold (a few per run and round)
+MAX_KEYS = 1024
+# a request this short cannot hold more than MAX_KEYS keys (over 16 bytes each): only a longer one is parsed twice
+_SHORT = 16 * 1024
 
 
 class Admission:
@@ -41,7 +54,8 @@ class Admission:
     def __init__(self, membership: Membership, limit: int = MAX_PROVEN) -> None:
         self.membership = membership
         self.limit = limit
-        self.kept_out = 0
+        self.kept_out = 0  # requests and answers of peers kept out of the routing table
+        self.too_large = 0  # requests refused for asking about more than MAX_KEYS keys
         self._proven: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -82,3 +96,30 @@ class AdmittingProtocol(DHTProtocol):  # type: ignore[misc]  # hivemind ships no
             self.admission.kept_out += 1
             return None
         return await super().update_routing_table(node_id, peer_id, responded)
+
+
+Unary = Callable[[bytes, PeerID], Awaitable[bytes]]
+
+
+def bound_requests(protocol: DHTProtocol, admission: Admission) -> None:
+    """Refuses, from then on, the finds and stores of more than ``MAX_KEYS`` keys that ``protocol`` answers.
+    hivemind registered its handlers with p2pd before peerd could wrap them: the wrapper replaces them in the
+    persistent connection's table, where each request arrives as bytes with its sender."""
+    control = getattr(getattr(protocol.p2p, "_client", None), "control", None)
+    handlers: dict[str, Unary] = getattr(control, "unary_handlers", {})
+    for method, request_type in (("rpc_find", dht_pb2.FindRequest), ("rpc_store", dht_pb2.StoreRequest)):
+        name = DHTProtocol._get_handle_name(None, method)
+        if name in handlers:  # a client-mode node answers nothing
+            handlers[name] = _bounded(handlers[name], request_type, admission)
+
+
+def _bounded(answer: Unary, request_type: type[Message], admission: Admission) -> Unary:
+    async def handle(data: bytes, sender: PeerID) -> bytes:
+        if len(data) > _SHORT:
+            keys = len(request_type.FromString(data).keys)
+            if keys > MAX_KEYS:
+                admission.too_large += 1
+                raise ProtocolViolation(f"a DHT request about {keys} keys (at most {MAX_KEYS})", peer_id=str(sender))
+        return await answer(data, sender)
+
+    return handle

@@ -50,10 +50,10 @@ class SeenPeer:
     expires_at: float
 
 
-async def node_counts(dht: object, node: DHTNode) -> tuple[dict[str, int], int, int]:
-    """Run where the DHT node runs (``run_coroutine``), in one round trip: its refused records, cut requests and
-    the peers it kept out of its routing table."""
-    return (await node_drop_counts(dht, node), *await node_bookkeeping(dht, node))
+async def node_counts(dht: object, node: DHTNode) -> tuple[dict[str, int], dict[str, int]]:
+    """Run where the DHT node runs (``run_coroutine``), in one round trip: its refused records, by reason, and
+    its other counts (``stragglers.node_bookkeeping``)."""
+    return await node_drop_counts(dht, node), await node_bookkeeping(dht, node)
 
 
 class SwarmNode:
@@ -197,20 +197,20 @@ class SwarmNode:
         self._log_dropped(str(error.context.get("peer_id", "unknown")), logging.WARNING, "Dropping invalid record: %s",
                           error)
 
-    async def dht_counts(self) -> tuple[dict[str, int], int | None, int | None]:
-        """Records refused, by reason (by this daemon's readers plus its DHT node's stores and answers), the
-        DHT requests its wait bound cut short (``stragglers.py``) and the peers its routing table kept out
-        (``admission.py``; both None when the DHT node could not be read)."""
+    async def dht_counts(self) -> tuple[dict[str, int], dict[str, int] | None]:
+        """Records refused, by reason (by this daemon's readers plus its DHT node's stores and answers), and the
+        DHT node's other counts: requests its wait bound cut short (``stragglers.py``), times its routing table
+        kept a peer out and requests it refused as too large (``admission.py``); None when it could not be read."""
         counts = self.verifier.counts()
         try:
             future = self.dht.run_coroutine(node_counts, return_future=True)
-            child, cut, kept_out = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
+            child, other = await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout)
         except (TimeoutError, OSError, RuntimeError) as e:
             logger.debug("Could not read the DHT node's counts: %r", e)
-            return counts, None, None
+            return counts, None
         for reason, count in child.items():
             counts[reason] = counts.get(reason, 0) + count
-        return counts, int(cut), int(kept_out)
+        return counts, {name: int(count) for name, count in other.items()}
 
     async def read_subkeys(self, key: str) -> dict[str, object]:
         return {subkey: value for subkey, (value, _) in (await self.read_entries(key)).items()}

@@ -35,7 +35,7 @@ from hivemind.dht.node import Blacklist, DHTNode
 from hivemind.p2p import PeerID
 
 from peerd.bounded import PeerMedians
-from peerd.swarm.admission import Admission, AdmittingProtocol
+from peerd.swarm.admission import Admission, AdmittingProtocol, bound_requests
 from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
 
@@ -153,14 +153,17 @@ async def guard_node(ratio: float | None, floor: float, _dht: object, node: DHTN
     protocol.__class__ = _BoundedProtocol
     protocol.bound = bound
     protocol.admission = validator.admission if validator is not None else Admission(Membership())  # open
+    bound_requests(protocol, protocol.admission)
     node.blacklist.__class__ = _PatientBlacklist
     node.blacklist.bound = bound
     protocol.blacklist = node.blacklist
 
 
-async def node_bookkeeping(_dht: object, node: DHTNode) -> tuple[int, int]:
+async def node_bookkeeping(_dht: object, node: DHTNode) -> dict[str, int]:
     """Run where the DHT node runs: the requests its bound cut short (and answers that came too late to count),
-    and the peers it kept out of its routing table."""
+    the times it kept a peer out of its routing table, and the requests it refused as too large."""
     protocol = node.protocol
     bound, admission = getattr(protocol, "bound", None), getattr(protocol, "admission", None)
-    return (bound.cut if isinstance(bound, WaitBound) else 0), (admission.kept_out if admission is not None else 0)
+    return {"requests_cut": bound.cut if isinstance(bound, WaitBound) else 0,
+            "peers_kept_out": admission.kept_out if admission is not None else 0,
+            "requests_too_large": admission.too_large if admission is not None else 0}

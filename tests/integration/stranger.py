@@ -6,6 +6,8 @@
                                                                    IDS identities open STREAMS streams each to
                                                                    PROTOCOL and hold them, silent
     python -m tests.integration.stranger read MADDR KEY           prints the payloads stored under KEY, as stored
+    python -m tests.integration.stranger finds MADDR KEYS CALLS  CALLS finds of KEYS random keys each at a time,
+                                                                   sent again as soon as each ends
     python -m tests.integration.stranger eclipse MADDR N KEY...   N DHT nodes per KEY, each with a node id next to
                                                                    KEY's, that take every store and keep nothing
 
@@ -128,6 +130,28 @@ async def read(maddr: str, key: str) -> dict[str, Any]:
         await node.shutdown()
 
 
+async def finds(maddr: str, keys: int, calls: int) -> None:
+    """A DHT find asks about many keys at once, and its answer holds the nearest nodes for each of them."""
+    target = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    node = await DHTNode.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=30,
+                                cache_locally=False, cache_on_store=False)
+    sent = [0]
+
+    async def ask() -> None:
+        while True:
+            await node.protocol.call_find(target, [DHTID.generate() for _ in range(keys)])
+            sent[0] += 1
+
+    tasks = [asyncio.ensure_future(ask()) for _ in range(calls)]
+    while sent[0] < calls:
+        await asyncio.sleep(0.1)  # polling the count of answered finds for the one ready line
+    print(json.dumps({"finds": sent[0], "peer_id": str(node.peer_id)}), flush=True)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await node.shutdown()
+
+
 class BlackHole(DHTLocalStorage):  # type: ignore[misc]  # hivemind ships no type information
     """A node's storage that says yes to every store and keeps nothing: every find it answers is NOT_FOUND."""
 
@@ -166,6 +190,8 @@ if __name__ == "__main__":
         print(json.dumps(asyncio.run(cpu(maddr, sys.argv[3], int(sys.argv[4])))), flush=True)
     elif command == "slots":
         asyncio.run(slots(maddr, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
+    elif command == "finds":
+        asyncio.run(finds(maddr, int(sys.argv[3]), int(sys.argv[4])))
     elif command == "eclipse":
         asyncio.run(eclipse(maddr, int(sys.argv[3]), sys.argv[4:]))
     elif command == "read":

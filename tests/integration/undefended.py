@@ -25,7 +25,7 @@ from peerd.averaging.verify import round as verify_round
 from peerd.bounded import PeerMedians
 from peerd.cli import main
 from peerd.experts.client import directory
-from peerd.swarm import admission, sealing, signing
+from peerd.swarm import admission, sealing, signing, stragglers
 from peerd.training import joining
 from peerd.training.distrust import Distrust
 from peerd.training.evidence import Evidence, Vouched
@@ -180,6 +180,11 @@ def _admit_anyone() -> None:
     admission.Admission.admits = lambda self, peer_id: True  # type: ignore[method-assign]
 
 
+def _any_request() -> None:
+    """Answer DHT finds and stores about any number of keys, as hivemind does."""
+    stragglers.bound_requests = lambda protocol, admission: None
+
+
 DEFENCES: dict[str, Callable[[], None]] = {
     "key-check": _any_key,
     "tag-first": _verify_first,
@@ -198,6 +203,7 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "absences": _wait_for_everyone,
     "dht-mean": _median_only,
     "dht-admission": _admit_anyone,
+    "dht-request-keys": _any_request,
 }
 
 

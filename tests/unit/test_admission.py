@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.utils.timed_storage import get_dht_time
 
-from peerd.swarm.admission import Admission
+from peerd.swarm.admission import MAX_KEYS, Admission
 from peerd.swarm.stragglers import guard_node
 from peerd.wire.membership import Membership
 
@@ -58,6 +60,27 @@ def test_a_node_that_proved_nothing_stays_out_of_the_table_until_it_does() -> No
                     break
                 await asyncio.sleep(0.01)
             assert other.peer_id in guarded.protocol.routing_table
+        finally:
+            await other.shutdown()
+            await guarded.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_find_or_store_about_more_keys_than_any_peer_needs_is_refused() -> None:
+    async def scenario() -> None:
+        guarded = await DHTNode.create(wait_timeout=5)
+        await guard_node(8.0, 1.0, None, guarded)
+        other = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5)
+        try:
+            target = guarded.peer_id
+            answered = await other.protocol.call_find(target, [DHTID.generate() for _ in range(MAX_KEYS)])
+            assert answered is not None and len(answered) == MAX_KEYS
+            assert await other.protocol.call_find(target, [DHTID.generate() for _ in range(MAX_KEYS + 1)]) is None
+            many = [DHTID.generate() for _ in range(MAX_KEYS + 1)]
+            assert await other.protocol.call_store(target, many, [b"v"] * len(many), get_dht_time() + 60) is None
+            assert guarded.protocol.admission.too_large == 2
+            assert await other.protocol.call_store(target, many[:3], [b"v"] * 3, get_dht_time() + 60) == [True] * 3
         finally:
             await other.shutdown()
             await guarded.shutdown()
