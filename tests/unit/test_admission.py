@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.swarm.admission import MAX_KEYS, Admission
+from peerd.swarm.identity import generate_identity
+from peerd.swarm.signing import RecordLifetimes, RecordSigner
 from peerd.swarm.stragglers import guard_node
+from peerd.swarm.validator import SignedRecordValidator
 from peerd.wire.membership import Membership
 
 SECRET = bytes(range(32))
@@ -83,6 +88,38 @@ def test_a_find_or_store_about_more_keys_than_any_peer_needs_is_refused() -> Non
             assert await other.protocol.call_store(target, many[:3], [b"v"] * 3, get_dht_time() + 60) == [True] * 3
         finally:
             await other.shutdown()
+            await guarded.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_member_gets_in_once_a_record_it_signed_passes_the_validator(tmp_path: Path) -> None:
+    """End to end with the record check: the validator's proof is what admits a member, and its peer id is the
+    one libp2p authenticates for its DHT node."""
+    membership = Membership(secret=SECRET)
+    generate_identity(tmp_path / "member.key")
+    signer = RecordSigner((tmp_path / "member.key").read_bytes(), membership)
+
+    async def scenario() -> None:
+        validators = [SignedRecordValidator(membership, RecordLifetimes(default=60.0))]
+        guarded = await DHTNode.create(wait_timeout=5, record_validator=CompositeValidator(validators))
+        await guard_node(8.0, 1.0, None, guarded)
+        member = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5,
+                                      identity_path=str(tmp_path / "member.key"))
+        try:
+            assert str(member.peer_id) == signer.peer_id
+            assert await member.find_nearest_nodes([member.node_id]) is not None
+            assert member.peer_id not in guarded.protocol.routing_table
+            expiration = get_dht_time() + 30
+            value = signer.envelope("run.peers", signer.peer_id, {"peer_id": signer.peer_id}, expiration)
+            assert await member.store("run.peers", value, expiration, subkey=signer.peer_id)
+            for _ in range(100):  # the routing table is updated in a task of its own: let it run
+                if member.peer_id in guarded.protocol.routing_table:
+                    break
+                await asyncio.sleep(0.01)
+            assert member.peer_id in guarded.protocol.routing_table
+        finally:
+            await member.shutdown()
             await guarded.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
