@@ -3,9 +3,9 @@
 Kademlia stores a key on the nodes whose ids are nearest it, and hivemind lets every node pick its own id and
 adds whoever talks to it to its routing table. So a stranger who knows one member's address, and no secret,
 can start a few nodes with ids next to a key's (``<run>.peers``, ``<run>.progress``): they become where every
-member stores and looks up that key, take the records and keep none, and the swarm stops seeing itself
-(measured: two members that averaged 20 rounds in 4 s averaged none once ten such nodes joined). Refusing
-the strangers' records does not help: they store nothing anyway.
+member stores and looks up that key, take the records and keep none, and the members stop seeing each other
+and averaging (``tests/integration/test_dht_eclipse.py``). Refusing the strangers' records does not help: they
+store nothing anyway.
 
 Here a node enters the routing table only once it is a member: on the allowlist, and, with a swarm secret,
 the signer of a record that passed every check of :class:`~peerd.swarm.validator.SignedRecordValidator` (its
@@ -15,8 +15,8 @@ member's table, so no member's answer names it and no lookup or store reaches it
 they are the operator's choice. An open swarm admits anyone, as hivemind does.
 
 What anyone may ask is bounded too: hivemind answers a find or store of any number of keys, and a find's answer
-names the nearest nodes for each (a stranger's find of 40,000 random keys cost a member about a second of its
-DHT loop, for an answer too large to send). One of more than ``MAX_KEYS`` keys is refused once parsed.
+names the nearest nodes for each, so a stranger's find of tens of thousands of random keys holds the node's
+loop for work whose answer is too large to send. One of more than ``MAX_KEYS`` keys is refused once parsed.
 """
 
 from __future__ import annotations
