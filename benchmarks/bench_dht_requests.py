@@ -47,7 +47,7 @@ def side(undefended: bool, keys: int, calls: int, count: int) -> None:
             if stranger.stdout is not None:
                 stranger.stdout.close()
         after = time_rounds(member, count, 120)
-        refused = member.status(timeout=60)["dht_requests_too_large"]
+        refused = member.status(timeout=60)["dht_requests_refused"]
         label = "any size (undefended)" if undefended else "peerd"
         print(f"{label:22s} {count} rounds: before {before:.1f} s, during {during if during is None else round(during, 1)} s, after {after:.1f} s; "
               f"finds refused {refused}; load {os.getloadavg()[0]:.1f}", flush=True)

@@ -9,7 +9,7 @@ a Prometheus histogram.
 
 Snapshot keys read (all optional; a missing value gives a family without samples, never a made-up zero):
 ``peer_id``, ``run_name``, ``software_version``, ``uptime``, ``peers`` (absent when ``dht_error`` is set),
-``records_dropped`` (reason -> count), ``dht_requests_cut``, ``dht_peers_kept_out``, ``dht_requests_too_large``,
+``records_dropped`` (reason -> count), ``dht_requests_cut``, ``dht_peers_kept_out``, ``dht_requests_refused``,
 ``membership`` (``streams_refused``: reason -> count, ``streams_accepted``, ``peers_disconnected``, ``streams_open``,
 ``pending_bytes``), ``reachability``
 (``state``, ``connections``, ``relay_service``: ``bytes_relayed``, ``circuits_total``, ``circuits_open``,

@@ -200,7 +200,7 @@ class SwarmNode:
     async def dht_counts(self) -> tuple[dict[str, int], dict[str, int] | None]:
         """Records refused, by reason (by this daemon's readers plus its DHT node's stores and answers), and the
         DHT node's other counts: requests its wait bound cut short (``stragglers.py``), times its routing table
-        kept a peer out and requests it refused as too large (``admission.py``); None when it could not be read."""
+        kept a peer out and requests it refused (``admission.py``); None when it could not be read."""
         counts = self.verifier.counts()
         try:
             future = self.dht.run_coroutine(node_counts, return_future=True)

@@ -161,9 +161,9 @@ async def guard_node(ratio: float | None, floor: float, _dht: object, node: DHTN
 
 async def node_bookkeeping(_dht: object, node: DHTNode) -> dict[str, int]:
     """Run where the DHT node runs: the requests its bound cut short (and answers that came too late to count),
-    the times it kept a peer out of its routing table, and the requests it refused as too large."""
+    the times it kept a peer out of its routing table, and the requests it refused (``admission.bound_requests``)."""
     protocol = node.protocol
     bound, admission = getattr(protocol, "bound", None), getattr(protocol, "admission", None)
     return {"requests_cut": bound.cut if isinstance(bound, WaitBound) else 0,
             "peers_kept_out": admission.kept_out if admission is not None else 0,
-            "requests_too_large": admission.too_large if admission is not None else 0}
+            "requests_refused": admission.refused if admission is not None else 0}

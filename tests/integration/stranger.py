@@ -165,15 +165,12 @@ class BlackHole(DHTLocalStorage):  # type: ignore[misc]  # hivemind ships no typ
 async def eclipse(maddr: str, per_key: int, keys: list[str]) -> None:
     """Kademlia stores a key on the nodes whose ids are nearest it, and a node picks its own id: ``per_key``
     nodes with ids next to each key's (hivemind stores on 5) become where the swarm stores and looks up that key."""
-    nodes = []
-    for key in keys:
-        key_id = int(DHTID.generate(source=key))
-        for i in range(per_key):
-            node = await DHTNode.create(node_id=DHTID(key_id ^ (i + 1)), initial_peers=[maddr],
-                                        host_maddrs=["/ip4/127.0.0.1/tcp/0"], cache_locally=False,
-                                        cache_on_store=False, cache_nearest=0)
-            node.protocol.storage = BlackHole()
-            nodes.append(node)
+    ids = [DHTID(int(DHTID.generate(source=key)) ^ (i + 1)) for key in keys for i in range(per_key)]
+    nodes = await asyncio.gather(*(DHTNode.create(node_id=node_id, initial_peers=[maddr],
+                                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"], cache_locally=False,
+                                                  cache_on_store=False, cache_nearest=0) for node_id in ids))
+    for node in nodes:
+        node.protocol.storage = BlackHole()
     # a lookup of the node's own id from each node: the swarm's nodes add it to their routing tables
     await asyncio.gather(*(node.find_nearest_nodes([node.node_id]) for node in nodes))
     print(json.dumps({"nodes": len(nodes), "peer_ids": [str(n.peer_id) for n in nodes]}), flush=True)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.timed_storage import get_dht_time
 
-from peerd.swarm.admission import MAX_KEYS, Admission
+from peerd.swarm.admission import MAX_KEYS, MAX_UNPROVEN_KEYS, Admission
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordLifetimes, RecordSigner
 from peerd.swarm.stragglers import guard_node
@@ -44,22 +45,28 @@ def test_proofs_are_bounded_the_least_recent_forgotten() -> None:
     assert not admission.admits("a") and admission.admits("b") and admission.admits("c")
 
 
+async def guarded_node(membership: Membership) -> DHTNode:
+    """A DHT node that checks records as peerd's does, guarded (``guard_node``) for ``membership``."""
+    validators = [SignedRecordValidator(membership, RecordLifetimes(default=60.0))]
+    node = await DHTNode.create(wait_timeout=5, record_validator=CompositeValidator(validators))
+    await guard_node(8.0, 1.0, None, node)
+    return node
+
+
 def test_a_node_that_proved_nothing_stays_out_of_the_table_until_it_does() -> None:
-    """A node that talks to a guarded node (here a store and a lookup) is not added to its routing table until a
-    record of its passed the guarded node's checks; the guarded node still answers it."""
+    """A node that talks to a guarded node (here a lookup) is not added to its routing table until it proves
+    membership; the guarded node still answers it."""
 
     async def scenario() -> None:
-        guarded = await DHTNode.create(wait_timeout=5)
-        await guard_node(8.0, 1.0, None, guarded)
-        guarded.protocol.admission = admission = Admission(Membership(secret=SECRET))
+        guarded = await guarded_node(Membership(secret=SECRET))
+        admission = guarded.protocol.admission
         other = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5)
         try:
-            assert await other.store("key", b"value", 1e12, subkey="one")  # unchecked here: no validator
-            assert (await other.get("key", latest=True)) is not None
+            assert await other.find_nearest_nodes([other.node_id]) is not None
             await asyncio.sleep(0)  # hivemind updates the routing table in tasks of their own
             assert other.peer_id not in guarded.protocol.routing_table and admission.kept_out > 0
             admission.prove(str(other.peer_id))
-            assert (await other.get("key", latest=True)) is not None
+            assert await other.find_nearest_nodes([DHTID.generate()]) is not None
             for _ in range(100):  # the update is a task of its own: let it run
                 if other.peer_id in guarded.protocol.routing_table:
                     break
@@ -74,8 +81,7 @@ def test_a_node_that_proved_nothing_stays_out_of_the_table_until_it_does() -> No
 
 def test_a_find_or_store_about_more_keys_than_any_peer_needs_is_refused() -> None:
     async def scenario() -> None:
-        guarded = await DHTNode.create(wait_timeout=5)
-        await guard_node(8.0, 1.0, None, guarded)
+        guarded = await guarded_node(Membership())  # an open swarm: everyone asks as a member
         other = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5)
         try:
             target = guarded.peer_id
@@ -84,8 +90,33 @@ def test_a_find_or_store_about_more_keys_than_any_peer_needs_is_refused() -> Non
             assert await other.protocol.call_find(target, [DHTID.generate() for _ in range(MAX_KEYS + 1)]) is None
             many = [DHTID.generate() for _ in range(MAX_KEYS + 1)]
             assert await other.protocol.call_store(target, many, [b"v"] * len(many), get_dht_time() + 60) is None
-            assert guarded.protocol.admission.too_large == 2
-            assert await other.protocol.call_store(target, many[:3], [b"v"] * 3, get_dht_time() + 60) == [True] * 3
+            assert guarded.protocol.admission.refused == 2
+        finally:
+            await other.shutdown()
+            await guarded.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_peer_not_yet_a_member_asks_about_few_keys_and_stores_no_whole_dictionary() -> None:
+    async def scenario() -> None:
+        guarded = await guarded_node(Membership(secret=SECRET))
+        admission = guarded.protocol.admission
+        other = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5)
+        try:
+            target, expiration = guarded.peer_id, get_dht_time() + 60
+            keys = [DHTID.generate() for _ in range(MAX_UNPROVEN_KEYS + 1)]
+            assert await other.protocol.call_find(target, keys[:MAX_UNPROVEN_KEYS]) is not None
+            assert await other.protocol.call_find(target, keys) is None
+            whole = DictionaryDHTValue()
+            whole.store("subkey", b"value", expiration)
+            assert await other.protocol.call_store(target, keys[:1], [whole], expiration) is None
+            assert admission.refused == 2
+            admission.prove(str(other.peer_id))
+            assert await other.protocol.call_find(target, keys) is not None
+            # asked now, and refused by the record check, not before it
+            assert await other.protocol.call_store(target, keys[:1], [whole], expiration) == [False]
+            assert admission.refused == 2
         finally:
             await other.shutdown()
             await guarded.shutdown()
@@ -101,9 +132,7 @@ def test_a_member_gets_in_once_a_record_it_signed_passes_the_validator(tmp_path:
     signer = RecordSigner((tmp_path / "member.key").read_bytes(), membership)
 
     async def scenario() -> None:
-        validators = [SignedRecordValidator(membership, RecordLifetimes(default=60.0))]
-        guarded = await DHTNode.create(wait_timeout=5, record_validator=CompositeValidator(validators))
-        await guard_node(8.0, 1.0, None, guarded)
+        guarded = await guarded_node(membership)
         member = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5,
                                       identity_path=str(tmp_path / "member.key"))
         try:
