@@ -9,6 +9,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from peerd.swarm.admission import MAX_KEYS, MAX_UNPROVEN_KEYS, Admission
@@ -53,6 +54,16 @@ async def guarded_node(membership: Membership) -> DHTNode:
     return node
 
 
+async def admitted(node: DHTNode, peer: PeerID) -> bool:
+    """Whether ``peer`` enters ``node``'s routing table within a second: hivemind updates the table in a task of
+    its own after each request and answer."""
+    for _ in range(100):
+        if peer in node.protocol.routing_table:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 def test_a_node_that_proved_nothing_stays_out_of_the_table_until_it_does() -> None:
     """A node that talks to a guarded node (here a lookup) is not added to its routing table until it proves
     membership; the guarded node still answers it."""
@@ -67,11 +78,7 @@ def test_a_node_that_proved_nothing_stays_out_of_the_table_until_it_does() -> No
             assert other.peer_id not in guarded.protocol.routing_table and admission.kept_out > 0
             admission.prove(str(other.peer_id))
             assert await other.find_nearest_nodes([DHTID.generate()]) is not None
-            for _ in range(100):  # the update is a task of its own: let it run
-                if other.peer_id in guarded.protocol.routing_table:
-                    break
-                await asyncio.sleep(0.01)
-            assert other.peer_id in guarded.protocol.routing_table
+            assert await admitted(guarded, other.peer_id)
         finally:
             await other.shutdown()
             await guarded.shutdown()
@@ -142,11 +149,7 @@ def test_a_member_gets_in_once_a_record_it_signed_passes_the_validator(tmp_path:
             expiration = get_dht_time() + 30
             value = signer.envelope("run.peers", signer.peer_id, {"peer_id": signer.peer_id}, expiration)
             assert await member.store("run.peers", value, expiration, subkey=signer.peer_id)
-            for _ in range(100):  # the routing table is updated in a task of its own: let it run
-                if member.peer_id in guarded.protocol.routing_table:
-                    break
-                await asyncio.sleep(0.01)
-            assert member.peer_id in guarded.protocol.routing_table
+            assert await admitted(guarded, member.peer_id)
         finally:
             await member.shutdown()
             await guarded.shutdown()
