@@ -116,8 +116,7 @@ async def status_document(peer: Running) -> dict[str, Any]:
         "dht_requests_cut": node and node["requests_cut"],
         # times this DHT node kept a peer out of its routing table: in a private swarm, one that proved no membership
         "dht_peers_kept_out": node and node["peers_kept_out"],
-        # finds and stores refused for asking about more keys than their sender may at once, or for storing a
-        # whole dictionary from a peer that is not (yet) a member
+        # finds and stores refused for asking about more keys at once than any peer needs
         "dht_requests_refused": node and node["requests_refused"],
         "training": peer.trainer.report.as_dict() if peer.trainer is not None else None,
         "experts": experts_section(peer),

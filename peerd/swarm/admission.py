@@ -16,10 +16,8 @@ they are the operator's choice. An open swarm admits anyone, as hivemind does.
 
 What anyone may ask is bounded too: hivemind answers a find or store of any number of keys, and a find's answer
 names the nearest nodes for each, so a stranger's find of tens of thousands of random keys holds the node's
-loop for work whose answer is too large to send, and a store of one dictionary of as many subkeys holds it to
-unpack them. A request about more than ``MAX_KEYS`` keys is refused once parsed; from a peer that is not (yet)
-a member, one about more than ``MAX_UNPROVEN_KEYS``, or storing a whole dictionary (members hand those to a
-newcomer, and a newcomer gets them again from the members' own stores).
+loop for work whose answer is too large to send. A request about more than ``MAX_KEYS`` keys is refused once
+parsed.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from peerd.bounded import remember
 from peerd.errors import ProtocolViolation
 from peerd.wire.membership import Membership
 
-__all__ = ["MAX_KEYS", "MAX_UNPROVEN_KEYS", "Admission", "AdmittingProtocol", "bound_requests"]
+__all__ = ["MAX_KEYS", "Admission", "AdmittingProtocol", "bound_requests"]
 
 # peers a node remembers as proven members; beyond it the least recently proven is forgotten (and proves
 # itself again with its next record): only secret holders get in, but they can mint identities
@@ -47,11 +45,7 @@ MAX_PROVEN = 16_384
 # keys of one DHT find or store: peerd reads and writes one key at a time, and a node hands a newcomer the keys it
 # should hold (a few per run and round)
 MAX_KEYS = 1024
-# the same for a peer the routing table does not admit: a newcomer's first lookups and records, before they
-# prove it a member
-MAX_UNPROVEN_KEYS = 16
-# a member's request this short cannot hold more than MAX_KEYS keys (over 16 bytes each): only a longer one, or
-# a request of a peer not admitted, is parsed twice
+# a request this short cannot hold more than MAX_KEYS keys (over 16 bytes each): only a longer one is parsed twice
 _SHORT = 16 * 1024
 
 
@@ -62,7 +56,7 @@ class Admission:
         self.membership = membership
         self.limit = limit
         self.kept_out = 0  # requests and answers of peers kept out of the routing table
-        self.refused = 0  # requests refused for their number of keys, or a non-member's whole dictionary
+        self.refused = 0  # requests refused for asking about more than MAX_KEYS keys
         self._proven: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -109,8 +103,8 @@ Unary = Callable[[bytes, PeerID], Awaitable[bytes]]
 
 
 def bound_requests(protocol: DHTProtocol, admission: Admission) -> None:
-    """Refuses, from then on, the finds and stores ``protocol`` answers that ask about more keys than their
-    sender may, or store a whole dictionary from a peer ``admission`` does not admit. hivemind registered its handlers with p2pd before peerd could wrap them: the wrapper replaces them in the
+    """Refuses, from then on, the finds and stores of more than ``MAX_KEYS`` keys that ``protocol`` answers.
+    hivemind registered its handlers with p2pd before peerd could wrap them: the wrapper replaces them in the
     persistent connection's table, where each request arrives as bytes with its sender."""
     control = getattr(getattr(protocol.p2p, "_client", None), "control", None)
     handlers: dict[str, Unary] = getattr(control, "unary_handlers", {})
@@ -122,20 +116,12 @@ def bound_requests(protocol: DHTProtocol, admission: Admission) -> None:
 
 def _bounded(answer: Unary, request_type: type[Message], admission: Admission) -> Unary:
     async def handle(data: bytes, sender: PeerID) -> bytes:
-        member = admission.admits(str(sender))
-        if member and len(data) <= _SHORT:
-            return await answer(data, sender)
-        request = request_type.FromString(data)
-        limit = MAX_KEYS if member else MAX_UNPROVEN_KEYS
-        why = None
-        if len(request.keys) > limit:
-            why = f"a DHT request about {len(request.keys)} keys from {sender} (at most {limit}" + (
-                ")" if member else " before it proves membership)")
-        elif not member and DHTProtocol.IS_DICTIONARY in getattr(request, "subkeys", ()):
-            why = f"a whole dictionary stored by {sender}, which has not proven membership"
-        if why is not None:
-            admission.refused += 1
-            raise ProtocolViolation(why, peer_id=str(sender))
+        if len(data) > _SHORT:
+            keys = len(request_type.FromString(data).keys)
+            if keys > MAX_KEYS:
+                admission.refused += 1
+                raise ProtocolViolation(f"a DHT request about {keys} keys from {sender} (at most {MAX_KEYS})",
+                                        peer_id=str(sender))
         return await answer(data, sender)
 
     return handle
