@@ -40,6 +40,11 @@ from hivemind.utils.timed_storage import get_dht_time
 from peerd.swarm.signing import peer_id_of
 
 
+def target_of(maddr: str) -> PeerID:
+    """The peer a multiaddr ending in /p2p/<peer id> names."""
+    return PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+
+
 def costly_key() -> bytes:
     """A libp2p RSA public key with a 3,072-bit modulus and a 3,071-bit public exponent (OpenSSL verifies with
     exponents up to the modulus' size at 3,072 bits and below)."""
@@ -68,7 +73,7 @@ def costly_records(nbytes: int) -> tuple[str, list[bytes], float]:
 
 
 async def cpu(maddr: str, key: str, nbytes: int) -> dict[str, Any]:
-    target = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    target = target_of(maddr)
     node = await DHTNode.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=300,
                                 cache_locally=False, cache_on_store=False)
     try:
@@ -84,7 +89,7 @@ async def cpu(maddr: str, key: str, nbytes: int) -> dict[str, Any]:
 
 
 async def slots(maddr: str, identities: int, streams: int, protocol: str) -> None:
-    target = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    target = target_of(maddr)
     nodes = [await P2P.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
              for _ in range(identities)]
     held: list[asyncio.StreamWriter] = []
@@ -132,7 +137,7 @@ async def read(maddr: str, key: str) -> dict[str, Any]:
 
 async def finds(maddr: str, keys: int, calls: int) -> None:
     """A DHT find asks about many keys at once, and its answer holds the nearest nodes for each of them."""
-    target = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
+    target = target_of(maddr)
     node = await DHTNode.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=30,
                                 cache_locally=False, cache_on_store=False)
     sent = [0]
