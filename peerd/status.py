@@ -116,7 +116,8 @@ async def status_document(peer: Running) -> dict[str, Any]:
         "dht_requests_cut": node and node["requests_cut"],
         # times this DHT node kept a peer out of its routing table: in a private swarm, one that proved no membership
         "dht_peers_kept_out": node and node["peers_kept_out"],
-        # finds and stores refused for asking about more keys at once than any peer needs
+        # finds and stores refused for asking about more keys at once than their sender may, or for storing a whole
+        # dictionary from a peer not (yet) admitted
         "dht_requests_refused": node and node["requests_refused"],
         "training": peer.trainer.report.as_dict() if peer.trainer is not None else None,
         "experts": experts_section(peer),

@@ -85,7 +85,8 @@ class StatusCollector(Collector):
         yield counter("peerd_dht_peers_kept_out", "Times a DHT node that proved no membership was kept out of "
                       "this peer's routing table (private swarms).", number(status, "dht_peers_kept_out"))
         yield counter("peerd_dht_requests_refused", "DHT finds and stores refused for asking about more keys at "
-                      "once than any peer needs.", number(status, "dht_requests_refused"))
+                      "once than their sender may, or for a whole dictionary from a peer not yet admitted.",
+                      number(status, "dht_requests_refused"))
         yield from self._membership(mapping(status, "membership"))
         yield from self._reachability(mapping(status, "reachability"))
 

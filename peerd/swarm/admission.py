@@ -16,8 +16,12 @@ they are the operator's choice. An open swarm admits anyone, as hivemind does.
 
 What anyone may ask is bounded too: hivemind answers a find or store of any number of keys, and a find's answer
 names the nearest nodes for each, so a stranger's find of tens of thousands of random keys holds the node's
-loop for work whose answer is too large to send. A request about more than ``MAX_KEYS`` keys is refused once
-parsed.
+loop for work whose answer is too large to send, and a store of one whole dictionary of as many subkeys holds it
+to unpack them before any record check. A request about more than ``MAX_KEYS`` keys is refused once parsed; a
+peer not (yet) admitted may ask about ``MAX_UNPROVEN_KEYS`` and store no whole dictionary. Its refused stores are
+answered "stored nothing" rather than with an error: a member hands a newcomer the keys it should hold (whole
+dictionaries) before the newcomer has proof of it, and hivemind drops from its routing table a node whose store
+failed; the newcomer gets those records again from their authors' next stores.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from peerd.bounded import remember
 from peerd.errors import ProtocolViolation
 from peerd.wire.membership import Membership
 
-__all__ = ["MAX_KEYS", "Admission", "AdmittingProtocol", "bound_requests"]
+__all__ = ["MAX_KEYS", "MAX_UNPROVEN_KEYS", "Admission", "AdmittingProtocol", "bound_requests"]
 
 # peers a node remembers as proven members; beyond it the least recently proven is forgotten (and proves
 # itself again with its next record): only secret holders get in, but they can mint identities
@@ -45,7 +49,10 @@ MAX_PROVEN = 16_384
 # keys of one DHT find or store: peerd reads and writes one key at a time, and a node hands a newcomer the keys it
 # should hold (a few per run and round)
 MAX_KEYS = 1024
-# a request this short cannot hold more than MAX_KEYS keys (over 16 bytes each): only a longer one is parsed twice
+# the same for a peer not admitted: a newcomer's first lookups and its own record, before a record of its proves it
+MAX_UNPROVEN_KEYS = 16
+# a member's request this short cannot hold more than MAX_KEYS keys (over 16 bytes each): only a longer one, or
+# one from a peer not admitted, is parsed twice
 _SHORT = 16 * 1024
 
 
@@ -56,7 +63,7 @@ class Admission:
         self.membership = membership
         self.limit = limit
         self.kept_out = 0  # requests and answers of peers kept out of the routing table
-        self.refused = 0  # requests refused for asking about more than MAX_KEYS keys
+        self.refused = 0  # requests refused for their number of keys, or a whole dictionary from a peer not admitted
         self._proven: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -103,25 +110,43 @@ Unary = Callable[[bytes, PeerID], Awaitable[bytes]]
 
 
 def bound_requests(protocol: DHTProtocol, admission: Admission) -> None:
-    """Refuses, from then on, the finds and stores of more than ``MAX_KEYS`` keys that ``protocol`` answers.
-    hivemind registered its handlers with p2pd before peerd could wrap them: the wrapper replaces them in the
-    persistent connection's table, where each request arrives as bytes with its sender."""
+    """Refuses, from then on, the finds and stores ``protocol`` answers that ask about more keys than their sender
+    may, or store a whole dictionary from a peer ``admission`` does not admit. hivemind registered its handlers
+    with p2pd before peerd could wrap them: the wrapper replaces them in the persistent connection's table, where
+    each request arrives as bytes with its sender."""
     control = getattr(getattr(protocol.p2p, "_client", None), "control", None)
     handlers: dict[str, Unary] = getattr(control, "unary_handlers", {})
     for method, request_type in (("rpc_find", dht_pb2.FindRequest), ("rpc_store", dht_pb2.StoreRequest)):
         name = DHTProtocol._get_handle_name(None, method)
         if name in handlers:  # a client-mode node answers nothing
-            handlers[name] = _bounded(handlers[name], request_type, admission)
+            handlers[name] = _bounded(handlers[name], request_type, protocol, admission)
 
 
-def _bounded(answer: Unary, request_type: type[Message], admission: Admission) -> Unary:
+def _bounded(answer: Unary, request_type: type[Message], protocol: DHTProtocol, admission: Admission) -> Unary:
     async def handle(data: bytes, sender: PeerID) -> bytes:
-        if len(data) > _SHORT:
-            keys = len(request_type.FromString(data).keys)
-            if keys > MAX_KEYS:
-                admission.refused += 1
-                raise ProtocolViolation(f"a DHT request about {keys} keys from {sender} (at most {MAX_KEYS})",
-                                        peer_id=str(sender))
-        return await answer(data, sender)
+        member = admission.admits(str(sender))
+        if member and len(data) <= _SHORT:
+            return await answer(data, sender)
+        request: Any = request_type.FromString(data)
+        why = refusal(request, member)
+        if why is None:
+            return await answer(data, sender)
+        admission.refused += 1
+        if not member and isinstance(request, dht_pb2.StoreRequest):
+            return bytes(dht_pb2.StoreResponse(store_ok=[False] * len(request.keys),
+                                               peer=protocol.node_info).SerializeToString())
+        raise ProtocolViolation(f"{why} from {sender}", peer_id=str(sender))
 
     return handle
+
+
+def refusal(request: Any, member: bool) -> str | None:
+    """Why a DHT find or store (``dht_pb2.FindRequest`` or ``StoreRequest``) from a member, or from a peer not
+    (yet) admitted, is refused; None if it is not."""
+    limit = MAX_KEYS if member else MAX_UNPROVEN_KEYS
+    if len(request.keys) > limit:
+        return f"a DHT request about {len(request.keys)} keys (at most {limit}" + (
+            ")" if member else " before its sender proves membership)")
+    if not member and DHTProtocol.IS_DICTIONARY in getattr(request, "subkeys", ()):
+        return "a whole dictionary stored by a peer that has not proven membership"
+    return None

@@ -31,6 +31,7 @@ from peerd.cli import main
 from peerd.errors import PeerdError
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.swarm import node
+from peerd.swarm.admission import MAX_UNPROVEN_KEYS
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordSigner
 from peerd.wire.frames import read_message
@@ -119,7 +120,7 @@ def _first_and_silent() -> None:
 
 FLOOD_VALUES, FLOOD_BYTES = 200, 32_000
 FLOOD_TTL = 10.5  # within what readers allow for configs/local.yaml's peers key (8 + 3 s)
-FLOOD_BATCH = 25  # values per store request: 0.8 MB
+FLOOD_BATCH = MAX_UNPROVEN_KEYS  # values per store request (0.5 MB): a client-mode node proves no membership
 
 
 async def flood(maddr: str, key: str, secret: Path, identity: Path) -> None:

@@ -1,7 +1,12 @@
 """A stranger to the swarm (no secret, no peerd: plain hivemind nodes), for tests and benchmarks only.
 
-    python -m tests.integration.stranger cpu MADDR KEY BYTES      one DHT store request of BYTES of records
-                                                                   signed with costly keys; prints what happened
+    python -m tests.integration.stranger cpu MADDR KEY BYTES      BYTES of records signed with costly keys, in
+                                                                   DHT store requests sent at once (as many keys
+                                                                   each as a peer not yet admitted may store);
+                                                                   prints what happened
+    python -m tests.integration.stranger dictionary MADDR KEY SUBKEYS REQUESTS
+                                                                   REQUESTS stores at once, each of one whole
+                                                                   dictionary of SUBKEYS subkeys under KEY
     python -m tests.integration.stranger slots MADDR IDS STREAMS PROTOCOL
                                                                    IDS identities open STREAMS streams each to
                                                                    PROTOCOL and hold them, silent
@@ -31,12 +36,13 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DHTLocalStorage
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from peerd.swarm.admission import MAX_UNPROVEN_KEYS
 from peerd.swarm.signing import peer_id_of
 
 
@@ -79,11 +85,35 @@ async def cpu(maddr: str, key: str, nbytes: int) -> dict[str, Any]:
     try:
         subkey, values, expiration = costly_records(nbytes)
         started = time.monotonic()
-        answer = await node.protocol.call_store(target, [DHTID.generate(source=key)] * len(values), values,
-                                                expiration, subkeys=[subkey] * len(values))
+        batches = [values[start:start + MAX_UNPROVEN_KEYS] for start in range(0, len(values), MAX_UNPROVEN_KEYS)]
+        answers = await asyncio.gather(*(node.protocol.call_store(
+            target, [DHTID.generate(source=key)] * len(batch), batch, expiration, subkeys=[subkey] * len(batch))
+            for batch in batches))
         took = time.monotonic() - started
-        stored = None if answer is None else sum(map(bool, answer))
-        return {"records": len(values), "bytes": sum(map(len, values)), "took": took, "stored": stored}
+        return {"records": len(values), "bytes": sum(map(len, values)), "requests": len(batches), "took": took,
+                "stored": sum(sum(map(bool, answer)) for answer in answers if answer is not None),
+                "requests_failed": sum(answer is None for answer in answers)}
+    finally:
+        await node.shutdown()
+
+
+async def dictionary(maddr: str, key: str, subkeys: int, requests: int) -> dict[str, Any]:
+    """hivemind unpacks a whole dictionary, subkey by subkey, before the record validator sees its first record:
+    the cost is in the number of subkeys, however cheap each record is to refuse."""
+    target = target_of(maddr)
+    node = await DHTNode.create(initial_peers=[maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"], wait_timeout=300,
+                                cache_locally=False, cache_on_store=False)
+    try:
+        expiration = get_dht_time() + 60.0
+        value = DictionaryDHTValue()
+        for i in range(subkeys):
+            value.store(MSGPackSerializer.dumps(i), b"x", expiration)
+        nbytes, started = len(MSGPackSerializer.dumps(value)), time.monotonic()
+        answers = await asyncio.gather(*(node.protocol.call_store(target, [DHTID.generate(source=key)], [value],
+                                                                  expiration) for _ in range(requests)))
+        return {"subkeys": subkeys, "requests": requests, "bytes": nbytes, "took": time.monotonic() - started,
+                "stored": sum(sum(map(bool, answer)) for answer in answers if answer is not None),
+                "requests_failed": sum(answer is None for answer in answers)}
     finally:
         await node.shutdown()
 
@@ -190,6 +220,8 @@ if __name__ == "__main__":
     command, maddr = sys.argv[1], sys.argv[2]
     if command == "cpu":
         print(json.dumps(asyncio.run(cpu(maddr, sys.argv[3], int(sys.argv[4])))), flush=True)
+    elif command == "dictionary":
+        print(json.dumps(asyncio.run(dictionary(maddr, sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))), flush=True)
     elif command == "slots":
         asyncio.run(slots(maddr, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
     elif command == "finds":

@@ -181,7 +181,7 @@ def _admit_anyone() -> None:
 
 
 def _any_request() -> None:
-    """Answer DHT finds and stores about any number of keys, as hivemind does."""
+    """Answer DHT finds and stores about any number of keys, and whole dictionaries from anyone, as hivemind does."""
     stragglers.bound_requests = lambda protocol, admission: None
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from peerd.swarm.admission import MAX_KEYS, Admission
+from peerd.swarm.admission import MAX_KEYS, MAX_UNPROVEN_KEYS, Admission
 from peerd.swarm.identity import generate_identity
 from peerd.swarm.signing import RecordLifetimes, RecordSigner
 from peerd.swarm.stragglers import guard_node
@@ -97,6 +98,41 @@ def test_a_find_or_store_about_more_keys_than_any_peer_needs_is_refused() -> Non
             many = [DHTID.generate() for _ in range(MAX_KEYS + 1)]
             assert await other.protocol.call_store(target, many, [b"v"] * len(many), get_dht_time() + 60) is None
             assert guarded.protocol.admission.refused == 2
+        finally:
+            await other.shutdown()
+            await guarded.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_peer_not_yet_admitted_asks_about_few_keys_and_stores_no_whole_dictionary() -> None:
+    """Before a record of its proves it a member, a peer's finds and stores are bounded tighter, and a store of a
+    whole dictionary (unpacked, subkey by subkey, before any record check) is not taken. A refused store is
+    answered "stored nothing", so that its sender (a member handing a newcomer its keys) keeps the node."""
+
+    async def scenario() -> None:
+        guarded = await guarded_node(Membership(secret=SECRET))
+        admission = guarded.protocol.admission
+        other = await DHTNode.create(initial_peers=await guarded.get_visible_maddrs(), wait_timeout=5)
+        try:
+            target, expiration = guarded.peer_id, get_dht_time() + 60
+            answered = await other.protocol.call_find(target, [DHTID.generate() for _ in range(MAX_UNPROVEN_KEYS)])
+            assert answered is not None and len(answered) == MAX_UNPROVEN_KEYS
+            assert await other.protocol.call_find(target, [DHTID.generate() for _ in range(MAX_UNPROVEN_KEYS + 1)]) \
+                is None
+            many = [DHTID.generate() for _ in range(MAX_UNPROVEN_KEYS + 1)]
+            assert await other.protocol.call_store(target, many, [b"v"] * len(many), expiration) == [False] * len(many)
+            dictionary = DictionaryDHTValue()
+            for i in range(100):
+                dictionary.store(f"subkey{i}", b"v", expiration)
+            assert await other.protocol.call_store(target, [DHTID.generate()], [dictionary], expiration) == [False]
+            assert admission.refused == 3
+            await asyncio.sleep(0)  # hivemind updates the routing table in tasks of their own
+            assert target in other.protocol.routing_table  # "stored nothing" is an answer, not a failure
+            admission.prove(str(other.peer_id))  # now a member: its dictionary reaches the record checks
+            await other.protocol.call_store(target, [DHTID.generate()], [dictionary], expiration)
+            assert await other.protocol.call_find(target, [DHTID.generate() for _ in range(MAX_KEYS)]) is not None
+            assert admission.refused == 3
         finally:
             await other.shutdown()
             await guarded.shutdown()
