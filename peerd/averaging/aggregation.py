@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 ROBUST_MIN_MEMBERS = 3
@@ -135,52 +136,55 @@ def clip_coefficients(gram: torch.Tensor, weights: list[float], medoid: int, rad
                       iterations: int) -> tuple[torch.Tensor, list[float]]:
     """CenteredClip's result as coefficients of the rows (float64, summing to 1) and each row's kept fraction,
     from ``gram``, the Gram matrix of the rows minus row ``medoid``: what :func:`centered_clip` computes, and
-    what a member recomputes from a reducer's published Gram matrix."""
+    what a member recomputes from a reducer's published Gram matrix (for every chunk of every span it gets: on
+    a group's few rows, numpy's small operations cost a fraction of torch's)."""
     n = gram.shape[0]
-    w = torch.tensor(weights, dtype=torch.float64)
-    found = _clip(gram, w / w.sum(), radius, iterations)
+    matrix = gram.detach().to(torch.float64).numpy()
+    w = numpy.asarray(weights, dtype=numpy.float64)
+    with numpy.errstate(all="ignore"):  # a Gram matrix that overflowed float32: tau is not finite, as in torch
+        found = _clip(matrix, w / w.sum(), radius, iterations)
     if found is None:  # at least half the members equal the medoid: that is the answer
         alone = torch.zeros(n, dtype=torch.float64)
         alone[medoid] = 1.0
-        return alone, [1.0 if float(gram[i, i]) == 0.0 else 0.0 for i in range(n)]
+        return alone, [1.0 if float(matrix[i, i]) == 0.0 else 0.0 for i in range(n)]
     coefficients, scales = found
     outliers = scales < OUTLIER_KEPT
     if 0 < int(outliers.sum()) < n / 2:
-        w = torch.where(outliers, 0.0, w)
-        again = _clip(gram, w / w.sum(), radius, iterations)
+        w = numpy.where(outliers, 0.0, w)
+        with numpy.errstate(all="ignore"):
+            again = _clip(matrix, w / w.sum(), radius, iterations)
         if again is not None:
-            coefficients, scales = again[0], torch.where(outliers, 0.0, again[1])
+            coefficients, scales = again[0], numpy.where(outliers, 0.0, again[1])
     # v = x_m + sum_j c_j (x_j - x_m): the medoid's coefficient is what the others leave
-    result = coefficients.clone()
+    result = coefficients.copy()
     result[medoid] = 1.0 - float(coefficients.sum() - coefficients[medoid])
-    return result, [float(s) for s in scales]
+    return torch.from_numpy(result), [float(s) for s in scales]
 
 
 OUTLIER_KEPT = 0.05
 
 
-def _clip(
-    gram: torch.Tensor, w: torch.Tensor, radius: float, iterations: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _clip(gram: numpy.ndarray, w: numpy.ndarray, radius: float, iterations: int) -> tuple[numpy.ndarray, numpy.ndarray] | None:
     """The fixed-point iterations on the Gram matrix of differences from the medoid: the coefficients of the
     estimate and each member's last clip scale; None if the members' median distance is 0 from the start."""
     n = gram.shape[0]
-    coefficients = torch.zeros(n, dtype=torch.float64)
-    scales = torch.ones(n, dtype=torch.float64)
+    coefficients = numpy.zeros(n)
+    scales = numpy.ones(n)
+    diagonal = gram.diagonal()
     for iteration in range(iterations):
         # ||x_i - v||^2 = ||d_i - D^T c||^2 with d_i = x_i - x_m
         gc = gram @ coefficients
-        squared = (gram.diagonal() - 2 * gc + coefficients @ gc).clamp_min(0)
+        squared = numpy.maximum(diagonal - 2 * gc + coefficients @ gc, 0.0)
         # tau follows the spread around the current estimate, not around the medoid: from the medoid, the
         # nearest member sets the scale, so in a group of 3 the other honest member is clipped in most rounds;
         # around the estimate every honest member sits near the median distance.
         # Members left out (weight 0) still count here: tau must not shrink because an outlier was dropped.
-        tau = radius * sorted(float(s) for s in squared)[(n - 1) // 2] ** 0.5
+        tau = radius * float(numpy.sort(squared)[(n - 1) // 2]) ** 0.5
         if tau <= 0.0 or not math.isfinite(tau):
             if iteration == 0:
                 return None
             break  # converged onto a member that half the group agrees with exactly
-        scales = torch.clamp(tau / squared.sqrt().clamp_min(1e-300), max=1.0)
+        scales = numpy.minimum(tau / numpy.maximum(numpy.sqrt(squared), 1e-300), 1.0)
         step = w * scales  # v += sum_i w_i s_i (d_i - D^T c)
         coefficients = coefficients + step - step.sum() * coefficients
     return coefficients, scales
