@@ -330,6 +330,30 @@ def test_audits_of_honest_spans_recompute_them_and_exclude_nobody() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_group_of_five_under_the_robust_default_accuses_nobody() -> None:
+    """Five members (a group size whose float32 Gram matrices came out asymmetric, and every honest reducer was
+    convicted for it), the robust default, 8-bit codes, chunks of the default size, every passing span audited:
+    every member applies every span, the same values everywhere, and nobody is accused."""
+    robust = PATIENT.model_copy(update={"aggregation": "centered_clip", "codec": CodecConfig(),
+                                        "verification": VerificationConfig(audit_probability=1.0)})
+    assert robust.chunk_numel == 1 << 19
+
+    async def body(p2ps: list[P2P], reducers: list[AllReducer]) -> None:
+        members = tuple(sorted(r.peer_id for r in reducers))
+        numel = len(reducers) * robust.chunk_numel  # a span of one full chunk each
+        shared = torch.randn(numel)
+        xs = [shared + 0.5 * torch.randn(numel) for _ in reducers]
+        outs = await asyncio.gather(*[r.all_reduce(Group("five", members), x, 1.0) for r, x in zip(reducers, xs)])
+        await asyncio.gather(*(r.audits.wait() for r in reducers))
+        for result, report in outs:
+            assert report.unverified == {} and report.accused == {} and report.excluded == {}, report
+            assert torch.equal(result, outs[0][0])
+        assert all(r.bans.status() == {} for r in reducers)
+
+    asyncio.run(with_peers(5, body, robust))
+
+
+@pytest.mark.timeout(120)
 def test_a_span_whose_average_is_not_applied_keeps_the_residual_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under top-k nearly a whole row waits in the residual. A member that keeps its own values for a span whose
     average failed its checks has applied that row in full: the residual there stays as it was, or the part
