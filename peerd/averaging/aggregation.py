@@ -87,7 +87,9 @@ def medoid_of(gram: torch.Tensor) -> int:
 def around(gram: torch.Tensor, medoid: int) -> torch.Tensor:
     """The Gram matrix of the rows minus row ``medoid``, from that of the rows minus any one row (float64)."""
     centered = gram - gram[:, medoid : medoid + 1] - gram[medoid : medoid + 1, :] + gram[medoid, medoid]
-    centered = (centered + centered.t()) / 2  # exactly symmetric: the two sides rounded in different orders
+    # exactly symmetric, as members check the published matrix: float32's product of 5 to 7 rows of a chunk is not
+    # (up to 6e-6 of the diagonal apart), and the line above rounds the two sides in different orders
+    centered = (centered + centered.t()) / 2
     centered[medoid, :] = 0.0  # exactly: x_m - x_m is 0, whatever the rounding of the line above
     centered[:, medoid] = 0.0
     return centered
@@ -108,10 +110,7 @@ def differences(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     first = sample - sample[0]
     base.copy_(rows[medoid_of((first @ first.t()).double())])
     rows.sub_(base)
-    gram = (rows @ rows.t()).double()
-    # float32 matrix products are not symmetric for every group size (5 and 6 rows of a 2^19-element chunk: up to
-    # 6e-6 of the diagonal apart), and members check that a published Gram matrix is
-    return (gram + gram.t()) / 2
+    return (rows @ rows.t()).double()
 
 
 def centered_clip(

@@ -128,7 +128,7 @@ def _bounded(answer: Unary, request_type: type[Message], protocol: DHTProtocol, 
         if member and len(data) <= _SHORT:
             return await answer(data, sender)
         request: Any = request_type.FromString(data)
-        why = refusal(request, member)
+        why = _refusal(request, member)
         if why is None:
             return await answer(data, sender)
         admission.refused += 1
@@ -140,7 +140,7 @@ def _bounded(answer: Unary, request_type: type[Message], protocol: DHTProtocol, 
     return handle
 
 
-def refusal(request: Any, member: bool) -> str | None:
+def _refusal(request: Any, member: bool) -> str | None:
     """Why a DHT find or store (``dht_pb2.FindRequest`` or ``StoreRequest``) from a member, or from a peer not
     (yet) admitted, is refused; None if it is not."""
     limit = MAX_KEYS if member else MAX_UNPROVEN_KEYS

@@ -51,6 +51,12 @@ def target_of(maddr: str) -> PeerID:
     return PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
 
 
+def stores_answered(answers: list[list[bool] | None]) -> dict[str, int]:
+    """Values the target stored, and requests that failed (an error, not an answer), over store answers."""
+    return {"stored": sum(sum(map(bool, answer)) for answer in answers if answer is not None),
+            "requests_failed": sum(answer is None for answer in answers)}
+
+
 def costly_key() -> bytes:
     """A libp2p RSA public key with a 3,072-bit modulus and a 3,071-bit public exponent (OpenSSL verifies with
     exponents up to the modulus' size at 3,072 bits and below)."""
@@ -91,8 +97,7 @@ async def cpu(maddr: str, key: str, nbytes: int) -> dict[str, Any]:
             for batch in batches))
         took = time.monotonic() - started
         return {"records": len(values), "bytes": sum(map(len, values)), "requests": len(batches), "took": took,
-                "stored": sum(sum(map(bool, answer)) for answer in answers if answer is not None),
-                "requests_failed": sum(answer is None for answer in answers)}
+                **stores_answered(answers)}
     finally:
         await node.shutdown()
 
@@ -112,8 +117,7 @@ async def dictionary(maddr: str, key: str, subkeys: int, requests: int) -> dict[
         answers = await asyncio.gather(*(node.protocol.call_store(target, [DHTID.generate(source=key)], [value],
                                                                   expiration) for _ in range(requests)))
         return {"subkeys": subkeys, "requests": requests, "bytes": nbytes, "took": time.monotonic() - started,
-                "stored": sum(sum(map(bool, answer)) for answer in answers if answer is not None),
-                "requests_failed": sum(answer is None for answer in answers)}
+                **stores_answered(answers)}
     finally:
         await node.shutdown()
 
