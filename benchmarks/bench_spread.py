@@ -1,5 +1,5 @@
 """The checks of verified reductions that hold a reducer to its own row: the samples' spread
-(peerd/averaging/verify/checks.py ``_check_spread``) and the rows' block norms (peerd/averaging/verify/energy.py),
+(peerd/averaging/verify/sketches.py ``spread_too_wide``) and the rows' block norms (peerd/averaging/verify/energy.py),
 both sides of each.
 
 - **Honest rows.** Gradients of a small GPT-2 (``transformers``, built from a config: nothing downloaded) on
@@ -26,10 +26,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from peerd.averaging.verify import checks
-from peerd.averaging.verify.checks import Inconsistent, check_chunk, spread_bounds
+from peerd.averaging.verify.checks import Inconsistent, check_chunk
 from peerd.averaging.verify.energy import DISTANCE_SLACK, distance_floor
 from peerd.averaging.verify.payloads import block_norms, error_norms, view
 from peerd.averaging.verify.randomness import SAMPLES, RoundRandomness
+from peerd.averaging.verify.sketches import spread_bounds
 from peerd.config import CodecConfig
 from peerd.tables import format_table
 from peerd.wire import codec

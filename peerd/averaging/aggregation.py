@@ -34,8 +34,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy
 import torch
+
+from peerd.averaging.clipping import clip_coefficients
 
 ROBUST_MIN_MEMBERS = 3
 
@@ -47,7 +48,7 @@ class Combined:
     says with which ``coefficients`` (what a reducer publishes so members can check its average). Where they
     follow from numbers only the reducer holds, it gives those too, for the distinct rows (all rows but copies):
     centered_clip its ``medoid`` (a position among them) and the ``gram`` matrix of those rows minus the
-    medoid's (:func:`clip_coefficients`); the norm-equalized mean their squared ``norms``
+    medoid's (:func:`peerd.averaging.clipping.clip_coefficients`); the norm-equalized mean their squared ``norms``
     (:func:`equalized_coefficients`). ``same_as[i]``: the first row identical to row i (i if none), None when
     every row is distinct; a copy's coefficient is 0."""
 
@@ -122,7 +123,7 @@ def centered_clip(
     so every distance comes from one members x members Gram matrix (:func:`differences`) and the chunk is
     touched a few times however many iterations run.
 
-    A member still clipped to under ``OUTLIER_KEPT`` of its deviation at the end (over 40 median deviations
+    A member still clipped to under ``clipping.OUTLIER_KEPT`` of its deviation at the end (over 40 median deviations
     away at the default radius; honest LM gradients kept >= 0.9) is left out and the rest are clipped again:
     clipping alone still lets it pull by the radius times its weight share, every round.
     """
@@ -133,64 +134,6 @@ def centered_clip(
     # v = x_b + sum_j a_j (x_j - x_b) for the base row x_b in `out`, the coefficients summing to 1
     out.add_(torch.mv(rows.t(), coefficients.to(rows.dtype)))
     return Combined(kept, weights, coefficients.tolist(), medoid, gram)
-
-
-def clip_coefficients(gram: torch.Tensor, weights: list[float], medoid: int, radius: float,
-                      iterations: int) -> tuple[torch.Tensor, list[float]]:
-    """CenteredClip's result as coefficients of the rows (float64, summing to 1) and each row's kept fraction,
-    from ``gram``, the Gram matrix of the rows minus row ``medoid``: what :func:`centered_clip` computes, and
-    what a member recomputes from a reducer's published Gram matrix (for every chunk of every span it gets: on
-    a group's few rows, numpy's small operations cost a fraction of torch's)."""
-    n = gram.shape[0]
-    matrix = gram.detach().to(torch.float64).numpy()
-    w = numpy.asarray(weights, dtype=numpy.float64)
-    with numpy.errstate(all="ignore"):  # a Gram matrix that overflowed float32: tau is not finite, as in torch
-        found = _clip(matrix, w / w.sum(), radius, iterations)
-    if found is None:  # at least half the members equal the medoid: that is the answer
-        alone = torch.zeros(n, dtype=torch.float64)
-        alone[medoid] = 1.0
-        return alone, [1.0 if float(matrix[i, i]) == 0.0 else 0.0 for i in range(n)]
-    coefficients, scales = found
-    outliers = scales < OUTLIER_KEPT
-    if 0 < int(outliers.sum()) < n / 2:
-        w = numpy.where(outliers, 0.0, w)
-        with numpy.errstate(all="ignore"):
-            again = _clip(matrix, w / w.sum(), radius, iterations)
-        if again is not None:
-            coefficients, scales = again[0], numpy.where(outliers, 0.0, again[1])
-    # v = x_m + sum_j c_j (x_j - x_m): the medoid's coefficient is what the others leave
-    result = coefficients.copy()
-    result[medoid] = 1.0 - float(coefficients.sum() - coefficients[medoid])
-    return torch.from_numpy(result), [float(s) for s in scales]
-
-
-OUTLIER_KEPT = 0.05
-
-
-def _clip(gram: numpy.ndarray, w: numpy.ndarray, radius: float, iterations: int) -> tuple[numpy.ndarray, numpy.ndarray] | None:
-    """The fixed-point iterations on the Gram matrix of differences from the medoid: the coefficients of the
-    estimate and each member's last clip scale; None if the members' median distance is 0 from the start."""
-    n = gram.shape[0]
-    coefficients = numpy.zeros(n)
-    scales = numpy.ones(n)
-    diagonal = gram.diagonal()
-    for iteration in range(iterations):
-        # ||x_i - v||^2 = ||d_i - D^T c||^2 with d_i = x_i - x_m
-        gc = gram @ coefficients
-        squared = numpy.maximum(diagonal - 2 * gc + coefficients @ gc, 0.0)
-        # tau follows the spread around the current estimate, not around the medoid: from the medoid, the
-        # nearest member sets the scale, so in a group of 3 the other honest member is clipped in most rounds;
-        # around the estimate every honest member sits near the median distance.
-        # Members left out (weight 0) still count here: tau must not shrink because an outlier was dropped.
-        tau = radius * float(numpy.sort(squared)[(n - 1) // 2]) ** 0.5
-        if tau <= 0.0 or not math.isfinite(tau):
-            if iteration == 0:
-                return None
-            break  # converged onto a member that half the group agrees with exactly
-        scales = numpy.minimum(tau / numpy.maximum(numpy.sqrt(squared), 1e-300), 1.0)
-        step = w * scales  # v += sum_i w_i s_i (d_i - D^T c)
-        coefficients = coefficients + step - step.sum() * coefficients
-    return coefficients, scales
 
 
 def trimmed_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor) -> Combined:
@@ -215,7 +158,7 @@ def equalized_coefficients(squared_norms: torch.Tensor, weights: list[float]) ->
 
 def _scales(squared_norms: torch.Tensor) -> torch.Tensor:
     norms = squared_norms.clamp_min(0).sqrt()
-    return torch.clamp(norms.min() / norms.clamp_min(1e-300), max=1.0)
+    return torch.clamp(norms.amin(-1, keepdim=True) / norms.clamp_min(1e-300), max=1.0)  # per chunk of a batch
 
 
 def equalized_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor, gram: torch.Tensor) -> Combined:
@@ -226,17 +169,15 @@ def equalized_mean(rows: torch.Tensor, weights: list[float], out: torch.Tensor, 
     return Combined([float(s) for s in _scales(norms)], weights, coefficients.tolist(), norms=norms)
 
 
-def distinct(rows: torch.Tensor, gram: torch.Tensor) -> list[int]:
-    """Per row, the index of the first row identical to it (its own index if none: a distinct row), ``gram``
-    being the rows' Gram matrix, whose distances pick the pairs worth comparing in full: within float32's
-    rounding of a Gram entry, far closer than two members' gradients ever are. Identical means ``torch.equal``:
-    exactly, so whoever holds the rows finds the same copies."""
-    norms = gram.diagonal()
+def distinct(rows: torch.Tensor) -> list[int]:
+    """Per row, the index of the first row identical to it (its own index if none: a distinct row). Identical
+    means ``torch.equal``: exactly, so whoever holds the rows finds the same copies. Only rows that agree at
+    ``BASE_SAMPLE`` evenly spaced columns are compared in full (members' gradients differ almost everywhere)."""
+    sample = rows[:, :: max(1, rows.shape[1] // BASE_SAMPLE)]
     first: list[int] = []
     for i in range(rows.shape[0]):
-        close = [j for j in range(i) if first[j] == j
-                 and float(norms[i] + norms[j] - 2 * gram[i, j]) <= 1e-4 * float(norms[i] + norms[j])]
-        first.append(next((j for j in close if torch.equal(rows[i], rows[j])), i))
+        first.append(next((j for j in range(i) if first[j] == j and torch.equal(sample[i], sample[j])
+                           and torch.equal(rows[i], rows[j])), i))
     return first
 
 
@@ -251,15 +192,12 @@ def combine(
         return weighted_mean(rows, cap_weights(claims, max_weight_ratio), out)
     if rule not in ("centered_clip", "trimmed_mean"):
         raise ValueError(f"unknown aggregation rule {rule!r}")
-    gram = (rows @ rows.t()).double()
-    first = list(range(rows.shape[0])) if agreeing else distinct(rows, gram)
+    first = list(range(rows.shape[0])) if agreeing else distinct(rows)
     kept = [i for i, f in enumerate(first) if f == i]
     if len(kept) == rows.shape[0]:
-        return _robust(rule, rows, cap_weights(claims, max_weight_ratio), out, gram, clip_radius, clip_iterations)
+        return _robust(rule, rows, cap_weights(claims, max_weight_ratio), out, clip_radius, clip_iterations)
     weights = cap_weights([claims[i] for i in kept], max_weight_ratio)
-    index = torch.tensor(kept)
-    result = _robust(rule, rows.index_select(0, index), weights, out, gram[index][:, index], clip_radius,
-                     clip_iterations)
+    result = _robust(rule, rows.index_select(0, torch.tensor(kept)), weights, out, clip_radius, clip_iterations)
     fraction, weight, coefficients = [0.0] * len(first), [0.0] * len(first), [0.0] * len(first)
     for position, i in enumerate(kept):
         fraction[i], weight[i] = result.kept[position], result.weights[position]
@@ -269,10 +207,10 @@ def combine(
                     result.gram, result.norms, first)
 
 
-def _robust(rule: str, rows: torch.Tensor, weights: list[float], out: torch.Tensor, gram: torch.Tensor,
-            clip_radius: float, clip_iterations: int) -> Combined:
+def _robust(rule: str, rows: torch.Tensor, weights: list[float], out: torch.Tensor, clip_radius: float,
+            clip_iterations: int) -> Combined:
     if rows.shape[0] < ROBUST_MIN_MEMBERS:
-        return equalized_mean(rows, weights, out, gram)
+        return equalized_mean(rows, weights, out, (rows @ rows.t()).double())
     if rule == "centered_clip":
         return centered_clip(rows, weights, out, clip_radius, clip_iterations)
     return trimmed_mean(rows, weights, out)

@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 
 from peerd.averaging import absences, aggregation, matchmaking
-from peerd.averaging.verify import checks, disputes
+from peerd.averaging.verify import checks, coefficients, disputes
 from peerd.averaging.verify import round as verify_round
 from peerd.bounded import PeerMedians
 from peerd.cli import main
@@ -96,7 +96,7 @@ def _any_decision() -> None:
 def _copies_count() -> None:
     """Count every row as a member of its own, identical or not, reducing and checking a reducer's statement
     (no copies to declare, none to look for)."""
-    aggregation.distinct = disputes.distinct = lambda rows, gram: list(range(rows.shape[0]))  # type: ignore[attr-defined]
+    aggregation.distinct = disputes.distinct = lambda rows: list(range(rows.shape[0]))  # type: ignore[attr-defined]
     verify_round.look_alike = lambda statement, index, samples: False  # type: ignore[attr-defined]
 
 
@@ -112,7 +112,7 @@ def _capped_mean_of_pairs() -> None:
         return torch.tensor(weights, dtype=torch.float64) / sum(weights)
 
     aggregation.equalized_mean = capped_mean
-    checks.equalized_coefficients = capped_coefficients  # type: ignore[attr-defined]
+    coefficients.equalized_coefficients = capped_coefficients  # type: ignore[attr-defined]
 
 
 def _one_pool() -> None:
@@ -154,7 +154,7 @@ def _believe_claims() -> None:
 
 def _no_spread_check() -> None:
     """Take the rows' samples as far apart as they lie, whatever distances the coefficients follow from."""
-    checks._check_spread = lambda published, index, values, length: None  # type: ignore[attr-defined]
+    checks.spread_too_wide = lambda published, values, length: False  # type: ignore[attr-defined]
 
 
 def _no_block_norms() -> None:

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from peerd.averaging.verify import checks
+from peerd.averaging.verify import checks, sketches
 from peerd.averaging.verify.checks import Inconsistent, check_chunk
 from peerd.averaging.verify.disputes import judge_chunk
 from peerd.averaging.verify.keys import KeyBook
@@ -45,7 +45,7 @@ def test_a_reducer_lying_about_its_own_row_where_no_sample_lands_is_caught(
     rarely sees it (switched off here, as if no sample landed there). Whichever norms it states for its own row
     give it away: the far row's lie further from the others than its published distances, the near row's do not
     cover the average."""
-    monkeypatch.setattr(checks, "spread_bounds", lambda samples: torch.full((samples,), math.inf, dtype=torch.float64))
+    monkeypatch.setattr(sketches, "spread_bounds", lambda samples: torch.full((samples,), math.inf, dtype=torch.float64))
     for seed in range(5):
         span = Span(honest_rows(4, seed=seed), "centered_clip", seed=bytes([seed + 1]) * 32)
         far = span.misstate_own_row(sparse_lie(span, seed, elements))

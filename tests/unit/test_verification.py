@@ -9,10 +9,10 @@ import blake3
 import pytest
 import torch
 
-from peerd.averaging.aggregation import clip_coefficients
-from peerd.averaging.verify import checks
+from peerd.averaging.clipping import clip_coefficients
+from peerd.averaging.verify import checks, sketches
 from peerd.averaging.verify.bans import BanList
-from peerd.averaging.verify.checks import SKETCH_HIGH, SKETCH_LOW, Inconsistent, check_chunk
+from peerd.averaging.verify.checks import Inconsistent, check_chunk
 from peerd.averaging.verify.disputes import judge_chunk
 from peerd.averaging.verify.keys import KeyBook
 from peerd.averaging.verify.payloads import view
@@ -24,6 +24,7 @@ from peerd.averaging.verify.proofs import (
     read_statement,
 )
 from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness, commitment, round_seed
+from peerd.averaging.verify.sketches import SKETCH_HIGH, SKETCH_LOW
 from peerd.config import CodecConfig, VerificationConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -241,7 +242,7 @@ def test_a_reducer_sampling_its_own_row_far_off_and_sketching_it_close_fails(mon
     def checked() -> None:
         check_chunk(statement, 0, samples, span.out, view(span.out_payload), span.randomness, span.config)
 
-    monkeypatch.setattr(checks, "spread_bounds", lambda samples: torch.full((samples,), math.inf, dtype=torch.float64))
+    monkeypatch.setattr(sketches, "spread_bounds", lambda samples: torch.full((samples,), math.inf, dtype=torch.float64))
     with pytest.raises(Inconsistent, match="block norms lie further apart"):  # its block norms are the far row's
         checked()
     monkeypatch.setattr(checks, "rows_too_far", lambda *args: False)

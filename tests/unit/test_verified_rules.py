@@ -9,15 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerd.averaging.aggregation import around, clip_coefficients, equalized_coefficients, medoid_of
+from peerd.averaging.aggregation import around, equalized_coefficients, medoid_of
+from peerd.averaging.clipping import clip_coefficients
 from peerd.averaging.group import STATE_KIND, is_state_round, round_key
 from peerd.averaging.matchmaking import group_id
-from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
+from peerd.averaging.verify.checks import Inconsistent, check_chunk
 from peerd.averaging.verify.disputes import Judgment, judge_chunk
 from peerd.averaging.verify.keys import KeyBook
 from peerd.averaging.verify.payloads import bounded, checks_averages, sent_count, view
 from peerd.averaging.verify.proofs import bad_reduction, check_proof, false_samples, read_statement
 from peerd.averaging.verify.samples import MemberSamples
+from peerd.averaging.verify.sketches import look_alike
 from peerd.averaging.verify.statement import parse_statement, sign_statement
 from peerd.config import CodecConfig
 from peerd.errors import ProtocolViolation

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import blake3
 import torch
 
-from peerd.averaging.aggregation import around, clip_coefficients, combine, medoid_of
+from peerd.averaging.aggregation import around, combine, medoid_of
+from peerd.averaging.clipping import clip_coefficients
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.verify.keys import KeyBook, SigningKey
 from peerd.averaging.verify.payloads import block_norms, code_average, envelope, sent_count, view

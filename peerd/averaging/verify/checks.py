@@ -21,6 +21,10 @@ Per chunk that is not void:
    norms lie no further apart than the published distances (energy.py): a lie on elements no sample hits
    shows in one or the other.
 
+The chunks of a span are checked together, a batch of those that share their rows and size per operation (one
+set of operations a span, not a chunk: a member checks every chunk of every span it gets). Only if a batch fails
+are its chunks checked one by one, with the same operations, to name the first chunk that fails and why.
+
 A check that fails means the reducer's average is not its rule applied to the sealed rows, or a member misstated
 its own row: only the rows can tell (disputes.py); this member applies nothing from the span either way. Two
 rows counted as distinct that look alike (:func:`look_alike`) fail nothing, but the chunk is challenged.
@@ -28,46 +32,23 @@ rows counted as distinct that look alike (:func:`look_alike`) fail nothing, but 
 
 from __future__ import annotations
 
-import functools
-import math
+from collections.abc import Sequence
 
 import torch
 
-from peerd.averaging.aggregation import (
-    ROBUST_MIN_MEMBERS,
-    cap_weights,
-    clip_coefficients,
-    equalized_coefficients,
-)
+from peerd.averaging.verify import averages
+from peerd.averaging.verify.coefficients import coefficients_of, distances, trimmed_at
 from peerd.averaging.verify.energy import average_too_large, rows_too_far
-from peerd.averaging.verify.payloads import (
-    ENVELOPE_SLACK,
-    FP16_ABSOLUTE,
-    TINY,
-    PayloadView,
-    envelope,
-    error_bound,
-)
-from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness
-from peerd.averaging.verify.samples import MemberSamples
-from peerd.averaging.verify.statement import Chunk, Statement
+from peerd.averaging.verify.payloads import ENVELOPE_SLACK, FP16_ABSOLUTE, TINY, PayloadView
+from peerd.averaging.verify.randomness import RoundRandomness
+from peerd.averaging.verify.samples import MemberSamples, SpanRows
+from peerd.averaging.verify.sketches import copy_differs, gram_disagrees, norms_disagree, spread_too_wide
+from peerd.averaging.verify.statement import Statement
 from peerd.config import AveragingConfig
 
-__all__ = ["SKETCH_TOLERANCE", "Inconsistent", "check_chunk", "check_medoid", "coefficients_of", "look_alike",
-           "trimmed_at"]
+__all__ = ["Inconsistent", "check_chunk", "check_chunks"]
 
-COEFFICIENT_TOLERANCE = 1e-6
 ACCUMULATION = 1e-5  # float32 sums of up to 64 rows, relative to the magnitudes summed
-# A sketched squared distance over the true one: for rows whose difference is an outer product in the sketch's
-# layout, the worst case, the ratio of 16 projections falls outside [0.019, 14.4] with probability 1e-6
-# (estimated by sampling such rows); independent signs would give [0.09, 3.5].
-SKETCH_LOW, SKETCH_HIGH = 0.015, 16.0
-SKETCH_FLOAT = 1e-5
-# the chance that honest rows' samples fail _check_spread, per pair of rows and chunk, whatever the rows hold
-SPREAD_FALSE_ALARM = 1e-9
-MEDOID_TOLERANCE = 1e-3
-SKETCH_TOLERANCE = 1e-4  # how far a member's sketch may be from its row's, relative to the row's sketch norm
-COPY_SKETCH = 2 * SKETCH_TOLERANCE  # identical rows' sketches: each may be that far from the row's
 
 
 class Inconsistent(Exception):
@@ -79,211 +60,113 @@ class Inconsistent(Exception):
         self.reason = reason
 
 
-def coefficients_of(statement: Statement, chunk: Chunk, config: AveragingConfig) -> torch.Tensor | None:
-    """The coefficients the statement's rule gives ``chunk``'s rows (None for trimmed_mean over 3 or more
-    distinct rows), checked against the published ones; ValueError if the reducer's numbers do not follow from
-    its rule."""
-    weights = [statement.rows[r].weight for r in chunk.included]
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ValueError("a row's weight is not finite and positive")
-    distinct = chunk.distinct
-    if statement.rule == "mean":
-        if len(distinct) != len(weights):
-            raise ValueError("the mean counts every row, copies included")
-        expected = torch.tensor(weights, dtype=torch.float64) / sum(weights)
-    else:
-        capped = cap_weights([weights[i] for i in distinct], config.max_weight_ratio)
-        if len(distinct) < ROBUST_MIN_MEMBERS:
-            if chunk.norms is None or not bool(chunk.norms.isfinite().all()) or bool((chunk.norms < 0).any()):
-                raise ValueError(f"{len(distinct)} distinct rows without finite norms")
-            within = equalized_coefficients(chunk.norms, capped)
-        elif statement.rule == "trimmed_mean":
-            return None
-        else:
-            if chunk.gram is None:
-                raise ValueError("centered_clip without a Gram matrix")
-            check_medoid(chunk.gram, chunk.medoid)
-            within, _ = clip_coefficients(chunk.gram, capped, chunk.medoid, config.clip_radius,
-                                          config.clip_iterations)
-        expected = torch.zeros(len(weights), dtype=torch.float64)
-        expected[distinct] = within  # a copy's coefficient is 0
-    published = chunk.coefficients
-    if published is None or (torch.tensor(published, dtype=torch.float64) - expected).abs().max() > \
-            COEFFICIENT_TOLERANCE:
-        raise ValueError(f"published coefficients {published} are not its rule's {expected.tolist()}")
-    return expected
-
-
-def _distances(gram: torch.Tensor) -> torch.Tensor:
-    diagonal = gram.diagonal()
-    return (diagonal[:, None] + diagonal[None, :] - 2 * gram).clamp_min(0)
-
-
-def check_medoid(gram: torch.Tensor, medoid: int) -> None:
-    if not bool(gram.isfinite().all()) or float((gram - gram.t()).abs().max()) > 1e-6 * float(
-            gram.diagonal().abs().max() + 1e-300):
-        raise ValueError("the Gram matrix is not a finite symmetric matrix")
-    squared = _distances(gram)
-    n = gram.shape[0]
-    medians = [sorted(float(squared[i, j]) for j in range(n) if j != i)[(n - 2) // 2] for i in range(n)]
-    scale = float(squared.max())
-    if medians[medoid] > min(medians) * (1 + MEDOID_TOLERANCE) + 1e-12 * scale:
-        raise ValueError(f"row {medoid} is not the medoid (median squared distance {medians[medoid]:.6g}, "
-                         f"least {min(medians):.6g})")
-
-
-def trimmed_at(values: torch.Tensor) -> torch.Tensor:
-    """The trimmed mean of ``values`` (rows x samples) per column, as aggregation.trimmed_mean computes it."""
-    n = values.shape[0]
-    trim = math.ceil(n / 4)
-    return values.sort(dim=0).values[trim : n - trim].mean(0)
+def check_chunks(statement: Statement, indices: Sequence[int], samples: dict[int, MemberSamples],
+                 outs: Sequence[torch.Tensor], payloads: Sequence[PayloadView], randomness: RoundRandomness,
+                 config: AveragingConfig, required: Sequence[int]) -> None:
+    """Raises Inconsistent for the first of the span's chunks ``indices`` (ascending) that does not agree with the
+    statement and the included members' ``samples`` (by rank, each holding this span). Per chunk: ``outs``, the
+    average this member decoded; ``payloads``, its codec payload's view; ``required``, the elements this member's
+    own included top-k row carried, which a SPARSE8 average must carry too unless it carries every nonzero
+    element (payloads.error_bound)."""
+    batches: dict[tuple[object, ...], list[int]] = {}
+    for position, index in enumerate(indices):
+        chunk = statement.chunks[index]
+        key = (tuple(chunk.included), tuple(chunk.same_as), chunk.gram is None, chunk.norms is None,
+               outs[position].numel(), payloads[position].scheme, payloads[position].block)
+        batches.setdefault(key, []).append(position)
+    failed: list[int] = []
+    for positions in batches.values():
+        try:
+            _check(statement, positions, indices, samples, outs, payloads, randomness, config, required)
+        except Inconsistent:
+            failed.extend(positions)
+    for position in sorted(failed):  # one by one: the first chunk that fails, and its first failing check
+        _check(statement, [position], indices, samples, outs, payloads, randomness, config, required)
 
 
 def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSamples], out: torch.Tensor,
                 payload: PayloadView, randomness: RoundRandomness, config: AveragingConfig, required: int = 0) -> None:
-    """Raises Inconsistent if chunk ``index`` of the span (``out``: the average this member decoded, ``payload``:
-    its codec payload's view) does not agree with the statement and the included members' ``samples`` (by rank,
-    each holding this span). ``required``: the elements this member's own included top-k row carried, which a
-    SPARSE8 average must carry too unless it carries every nonzero element (payloads.error_bound)."""
-    chunk = statement.chunks[index]
+    """:func:`check_chunks` of the one chunk ``index``."""
+    check_chunks(statement, [index], samples, [out], [payload], randomness, config, [required])
+
+
+def _stacked(rows: list[SpanRows], field: str, chunks: list[int]) -> torch.Tensor:
+    """chunks x rows x ...: what each row states in ``field`` for each chunk."""
+    return torch.stack([torch.stack([getattr(row, field)[i] for i in chunks]) for row in rows], dim=1)
+
+
+def _check(statement: Statement, positions: list[int], indices: Sequence[int], samples: dict[int, MemberSamples],
+           all_outs: Sequence[torch.Tensor], all_payloads: Sequence[PayloadView], randomness: RoundRandomness,
+           config: AveragingConfig, all_required: Sequence[int]) -> None:
+    """The checks of the chunks at ``positions`` of ``indices``, which share their rows, size and code; raises
+    Inconsistent naming the batch's first chunk (its reason is exact for a batch of one)."""
+    chunks = [indices[p] for p in positions]
+    outs, payloads = [all_outs[p] for p in positions], [all_payloads[p] for p in positions]
+    first = statement.chunks[chunks[0]]
     try:
-        coefficients = coefficients_of(statement, chunk, config)
+        coefficients = coefficients_of(statement, [statement.chunks[index] for index in chunks], config)
     except ValueError as e:
-        raise Inconsistent(index, str(e)) from None
-    rows = [samples[r].spans[statement.span] for r in chunk.included]
-    offsets = randomness.offsets(statement.span, index, out.numel())
-    values = torch.stack([row.values[index] for row in rows])  # rows x samples, float64
-    magnitude = values.abs().max(0).values
+        raise Inconsistent(chunks[0], str(e)) from None
+    rows = [samples[r].spans[statement.span] for r in first.included]
+    length, block_size = outs[0].numel(), config.codec.block_size
+    offsets = torch.stack([randomness.offsets(statement.span, index, length) for index in chunks])
+    values = _stacked(rows, "values", chunks)  # chunks x rows x samples, float64
+    distinct = first.distinct
+    magnitude = values.abs().amax(1)
     if coefficients is None:
-        expected = trimmed_at(values[chunk.distinct])
+        expected = trimmed_at(values[:, distinct])
     else:
-        expected = coefficients @ values
-        magnitude = magnitude + coefficients.abs() @ values.abs()
-    got = out[offsets].double()
-    allowed = error_bound(payload, out, offsets, required) + ACCUMULATION * magnitude + TINY
-    if bool((got - expected).abs().gt(allowed).any()):
-        worst = int(((got - expected).abs() - allowed).argmax())
-        raise Inconsistent(index, f"at element {int(offsets[worst])} the average is {float(got[worst]):.6g}, "
-                                  f"the rule gives {float(expected[worst]):.6g}")
-    envelopes = torch.stack([row.envelope[index] for row in rows])
-    bound = envelopes.max(0).values if coefficients is None else coefficients.abs() @ envelopes
-    own = envelope(payload, out, config.codec.block_size).double()
+        expected = (coefficients.unsqueeze(1) @ values).squeeze(1)
+        magnitude = magnitude + (coefficients.abs().unsqueeze(1) @ values.abs()).squeeze(1)
+    got = averages.sampled(outs, offsets)
+    allowed = averages.error_bounds(payloads, outs, offsets, [all_required[p] for p in positions], block_size) + \
+        ACCUMULATION * magnitude + TINY
+    wrong = (got - expected).abs().gt(allowed)
+    if bool(wrong.any()):
+        at = int(wrong.any(1).nonzero()[0])
+        worst = int(((got[at] - expected[at]).abs() - allowed[at]).argmax())
+        raise Inconsistent(chunks[at], f"at element {int(offsets[at, worst])} the average is "
+                                       f"{float(got[at, worst]):.6g}, the rule gives {float(expected[at, worst]):.6g}")
+    bounds = _stacked(rows, "envelope", chunks)
+    bound = bounds.amax(1) if coefficients is None else (coefficients.abs().unsqueeze(1) @ bounds).squeeze(1)
+    own = averages.envelopes(payloads, outs, block_size)
     if own.shape != bound.shape or bool(own.gt(bound * ENVELOPE_SLACK + FP16_ABSOLUTE).any()):
-        raise Inconsistent(index, "the average exceeds what its rows' magnitudes allow in some block")
-    norms = torch.stack([row.norms[index] for row in rows])
-    block = average_too_large(out, payload, config.codec.block_size, norms if coefficients is not None else
-                              norms[chunk.distinct], coefficients)
-    if block is not None:
-        raise Inconsistent(index, f"the average's norm in coarse block {block} exceeds what its rows' norms allow")
+        raise Inconsistent(chunks[0], "the average exceeds what its rows' magnitudes allow in some block")
+    norms = _stacked(rows, "norms", chunks)
+    over = average_too_large(averages.norms_of(outs, block_size), averages.error_norms_of(payloads, outs, block_size),
+                             norms if coefficients is not None else norms[:, distinct], coefficients)
+    if over is not None:
+        raise Inconsistent(chunks[over[0]], f"the average's norm in coarse block {over[1]} exceeds what its rows' "
+                                            f"norms allow")
     if statement.rule == "mean":
         return
-    sketches = [row.sketch[index] if row.sketch is not None else None for row in rows]
-    if any(s is None for s in sketches):
-        raise Inconsistent(index, f"{statement.rule}'s numbers cannot be checked: a row has no sketch")
-    stacked = torch.stack([s for s in sketches if s is not None])
-    _check_copies(chunk, index, statement.rule, values, stacked)
-    distinct = stacked[chunk.distinct]
-    if chunk.gram is not None and coefficients is not None:
-        _check_gram(chunk.gram, index, distinct)
-        _check_spread(chunk.gram, index, values[chunk.distinct], out.numel())
-        if rows_too_far(norms[chunk.distinct], _distances(chunk.gram), chunk.gram.diagonal().abs()):
-            raise Inconsistent(index, "the rows' block norms lie further apart than the published distances")
-    if chunk.norms is not None:
-        _check_norms(chunk.norms, index, distinct)
-        _check_spread(chunk.norms, index, values[chunk.distinct], out.numel())
-        if rows_too_far(norms[chunk.distinct], chunk.norms, chunk.norms.abs()):
-            raise Inconsistent(index, "the rows' block norms exceed the published norms")
+    if any(row.sketch is None for row in rows):
+        raise Inconsistent(chunks[0], f"{statement.rule}'s numbers cannot be checked: a row has no sketch")
+    sketches = _stacked(rows, "sketch", chunks)  # chunks x rows x SKETCH_SIZE
+    if first.same_as != list(range(len(first.same_as))):
+        for at, index in enumerate(chunks):
+            copy = copy_differs(first, values[at], sketches[at])
+            if copy is not None:
+                raise Inconsistent(index, f"{statement.rule} counts row {copy} as a copy of row "
+                                          f"{first.same_as[copy]}, and the rows differ")
+    sketches, values, norms = sketches[:, distinct], values[:, distinct], norms[:, distinct]
+    if first.gram is not None and coefficients is not None:
+        gram = torch.stack([statement.chunks[index].gram for index in chunks])  # type: ignore[misc]
+        if gram_disagrees(gram, sketches):
+            raise Inconsistent(chunks[0], "the published Gram matrix disagrees with the rows' sketched distances")
+        _spread(gram, values, length, chunks)
+        if rows_too_far(norms, distances(gram), gram.diagonal(dim1=-2, dim2=-1).abs()):
+            raise Inconsistent(chunks[0], "the rows' block norms lie further apart than the published distances")
+    if first.norms is not None:
+        claimed = torch.stack([statement.chunks[index].norms for index in chunks])  # type: ignore[misc]
+        if norms_disagree(claimed, sketches):
+            raise Inconsistent(chunks[0], "the published norms disagree with the rows' sketched norms")
+        _spread(claimed, values, length, chunks)
+        if rows_too_far(norms, claimed, claimed.abs()):
+            raise Inconsistent(chunks[0], "the rows' block norms exceed the published norms")
 
 
-def _check_copies(chunk: Chunk, index: int, rule: str, values: torch.Tensor, sketches: torch.Tensor) -> None:
-    """Rows declared copies hold the same values at the samples, exactly, and the same sketch up to float
-    rounding (each member projects its own row); an honest row called a copy shows it at almost every sample."""
-    for i, first in enumerate(chunk.same_as):
-        if first == i:
-            continue
-        scale = float(sketches[first].norm()) + float(sketches[i].norm())
-        if not torch.equal(values[i], values[first]) or float(
-                (sketches[i] - sketches[first]).abs().max()) > COPY_SKETCH * scale + 1e-30:
-            raise Inconsistent(index, f"{rule} counts row {i} as a copy of row {first}, and the rows differ")
-
-
-def look_alike(statement: Statement, index: int, samples: dict[int, MemberSamples]) -> bool:
-    """Whether two rows a robust rule counted as distinct in chunk ``index`` hold the same values at every sample
-    and nearly the same sketch: copies the reducer left undeclared, or near-copies. Only the rows can tell, and
-    near-copies must not stop an honest span, so the span is applied and the chunk audited (its dispute
-    convicts a reducer whose rows are copies)."""
-    chunk = statement.chunks[index]
-    if statement.rule == "mean":
-        return False
-    seen: dict[bytes, torch.Tensor] = {}
-    for i in chunk.distinct:
-        row = samples[chunk.included[i]].spans[statement.span]
-        if row.sketch is None:
-            return False
-        sketch, key = row.sketch[index], row.values[index].numpy().tobytes()
-        if key in seen and float((sketch - seen[key]).abs().max()) <= COPY_SKETCH * float(
-                sketch.norm() + seen[key].norm()) + 1e-30:
-            return True
-        seen.setdefault(key, sketch)
-    return False
-
-
-def _check_gram(gram: torch.Tensor, index: int, stacked: torch.Tensor) -> None:
-    claimed = _distances(gram)
-    sketched = ((stacked[:, None, :] - stacked[None, :, :]) ** 2).sum(-1) / SKETCH_SIZE
-    norms = (stacked**2).sum(-1) / SKETCH_SIZE
-    slack = SKETCH_FLOAT * (norms[:, None] + norms[None, :])
-    if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
-        raise Inconsistent(index, "the published Gram matrix disagrees with the rows' sketched distances")
-
-
-def _check_norms(claimed: torch.Tensor, index: int, stacked: torch.Tensor) -> None:
-    """The published squared norms of the distinct rows against their sketches, within the bounds that hold the
-    distances (a row's norm is its distance from zero)."""
-    sketched = (stacked**2).sum(-1) / SKETCH_SIZE
-    slack = SKETCH_FLOAT * sketched + 1e-300
-    if bool((sketched > SKETCH_HIGH * claimed + slack).any()) or bool((sketched < SKETCH_LOW * claimed - slack).any()):
-        raise Inconsistent(index, "the published norms disagree with the rows' sketched norms")
-
-
-@functools.cache
-def spread_bounds(samples: int, false_alarm: float = SPREAD_FALSE_ALARM) -> torch.Tensor:
-    """Per rank r (1 to ``samples``): the t for which r or more uniform samples of a row land, by chance, where
-    its squared elements exceed t times their mean. Fewer than 1/t of the elements can: a binomial tail, summed
-    over the ranks, of at most ``false_alarm``, for any row."""
-    k = torch.arange(samples + 1, dtype=torch.float64)
-    log_choose = torch.lgamma(k.new_tensor(samples + 1.0)) - torch.lgamma(k + 1) - torch.lgamma(samples - k + 1)
-    low = torch.zeros(samples, dtype=torch.float64)  # log t, bisected for every rank at once
-    high = torch.full((samples,), 42.0, dtype=torch.float64)
-    for _ in range(60):
-        middle = (low + high) / 2
-        p = torch.exp(-middle)[:, None]
-        pmf = torch.exp(log_choose + k * torch.log(p) + (samples - k) * torch.log1p(-p))  # rank x count
-        tails = pmf.flip(-1).cumsum(-1).flip(-1)[torch.arange(samples), torch.arange(1, samples + 1)]
-        enough = tails <= false_alarm / samples
-        high, low = torch.where(enough, middle, high), torch.where(enough, low, middle)
-    return torch.exp(high)
-
-
-def _check_spread(published: torch.Tensor, index: int, values: torch.Tensor, length: int) -> None:
-    """The rows' samples (``values``, distinct rows x samples) against the squared distances between the rows
-    (from ``published``, the Gram matrix around the medoid) or their squared norms (``published`` a vector) the
-    coefficients followed from. A member's samples and sketch are both its own word: a member lying with its
-    reducer (or a reducer about its own row) could sketch a row close to the others, so that the rule keeps it
-    whole, and sample one far off, so that a wrong average matches the samples. Samples far off at many of
-    the coordinates cannot come from a row that close (:func:`spread_bounds`)."""
-    if published.dim() == 2:
-        claimed = _distances(published)
-        squared = (values[:, None, :] - values[None, :, :]) ** 2
-        around = published.diagonal().abs()
-        slack = SKETCH_FLOAT * (around[:, None] + around[None, :])
-    else:
-        claimed, squared = published, values**2
-        slack = SKETCH_FLOAT * claimed.abs()
-    if squared.shape[-1] == 0:
-        return
-    ordered = length * squared.sort(dim=-1, descending=True).values
-    allowed = claimed[..., None] * spread_bounds(squared.shape[-1]) + slack[..., None] + 1e-300
-    if bool((ordered > allowed).any()):
-        raise Inconsistent(index, "the rows' samples lie further apart than the distances the coefficients "
-                                  "follow from")
+def _spread(published: torch.Tensor, values: torch.Tensor, length: int, chunks: list[int]) -> None:
+    if spread_too_wide(published, values, length):
+        raise Inconsistent(chunks[0], "the rows' samples lie further apart than the distances the coefficients "
+                                      "follow from")

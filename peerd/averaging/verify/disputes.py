@@ -27,7 +27,7 @@ import torch
 from peerd.averaging.aggregation import ROBUST_MIN_MEMBERS, around, differences, distinct
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
-from peerd.averaging.verify.checks import SKETCH_TOLERANCE, check_medoid, coefficients_of, trimmed_at
+from peerd.averaging.verify.coefficients import check_medoid, coefficients_of, trimmed_at
 from peerd.averaging.verify.energy import NORM_TOLERANCE
 from peerd.averaging.verify.keys import KeyBook
 from peerd.averaging.verify.payloads import (
@@ -41,6 +41,7 @@ from peerd.averaging.verify.payloads import (
 )
 from peerd.averaging.verify.randomness import RoundRandomness
 from peerd.averaging.verify.samples import MemberSamples
+from peerd.averaging.verify.sketches import SKETCH_TOLERANCE
 from peerd.averaging.verify.statement import OUTPUT, SEAL, Chunk, Statement, output_parts, seal_parts
 from peerd.config import AveragingConfig
 from peerd.errors import CodecError
@@ -157,7 +158,8 @@ def _wrong_average(statement: Statement, index: int, decoded: dict[int, torch.Te
     try:
         if statement.rule != "mean" and not _robust_numbers(chunk, raw, is_state_round(statement.round_id)):
             return None  # the rows overflow float32's Gram matrix: no rule's numbers can be checked here
-        coefficients = coefficients_of(statement, chunk, config)
+        found = coefficients_of(statement, [chunk], config)
+        coefficients = None if found is None else found[0]
     except ValueError as e:
         return str(e)
     magnitude = rows.abs().max(0).values
@@ -183,7 +185,7 @@ def _robust_numbers(chunk: Chunk, raw: torch.Tensor, agreeing: bool) -> bool:
     gram = (raw @ raw.t()).double()  # as the reducer computes it
     if not bool(gram.isfinite().all()):
         return False
-    copies = list(range(raw.shape[0])) if agreeing else distinct(raw, gram)  # exact, as the reducer compares
+    copies = list(range(raw.shape[0])) if agreeing else distinct(raw)  # exact, as the reducer compares
     if copies != chunk.same_as:
         raise ValueError(f"its statement's copies {chunk.same_as} are not its rows' {copies}")
     kept = chunk.distinct

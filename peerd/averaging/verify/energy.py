@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from peerd.averaging.verify.payloads import PayloadView, block_norms, error_norms
-
 __all__ = ["average_too_large", "distance_floor", "rows_too_far"]
 
 # a stated norm against the row's: float32 sums of squares (~1e-7 from exact), added in another order on
@@ -37,32 +35,33 @@ DISTANCE_SLACK, DISTANCE_FLOAT = 1.01, 1e-4
 TINY = 1e-30
 
 
-def average_too_large(out: torch.Tensor, payload: PayloadView, block_size: int, norms: torch.Tensor,
-                      coefficients: torch.Tensor | None) -> int | None:
-    """The first coarse block where the average ``out`` (this member's decoded chunk, coded as ``payload``) is
-    larger than the rows' stated ``norms`` (rows x blocks, float64) allow under ``coefficients`` (None:
-    trimmed_mean over the rows given), or None."""
-    own = block_norms(out, block_size)
-    if own.shape != norms.shape[1:]:
-        return 0
+def average_too_large(own: torch.Tensor, errors: torch.Tensor, norms: torch.Tensor,
+                      coefficients: torch.Tensor | None) -> tuple[int, int] | None:
+    """The first (chunk, coarse block) where a batch of averages is larger than its rows' stated ``norms``
+    (chunks x rows x blocks, float64) allow under ``coefficients`` (chunks x rows; None: trimmed_mean over the
+    rows given), or None. ``own``: the averages' block norms (chunks x blocks, :func:`payloads.block_norms`),
+    ``errors``: how far an honest reducer's coded values may be from its exact average there
+    (:func:`payloads.error_norms`)."""
+    if own.shape[-1] != norms.shape[-1]:
+        return 0, 0
     stated = norms * (1 + NORM_TOLERANCE)
     if coefficients is None:
-        bound = (stated**2).sum(0).sqrt()
+        bound = (stated**2).sum(-2).sqrt()
     else:
-        bound = coefficients.abs() @ stated
-    allowed = bound * (1 + ACCUMULATION) + error_norms(payload, out, block_size) + TINY
+        bound = (coefficients.abs().unsqueeze(-2) @ stated).squeeze(-2)
+    allowed = bound * (1 + ACCUMULATION) + errors + TINY
     over = (own > allowed).nonzero()
-    return int(over[0]) if over.numel() else None
+    return (int(over[0, 0]), int(over[0, 1])) if over.numel() else None
 
 
 def rows_too_far(norms: torch.Tensor, squared: torch.Tensor, around: torch.Tensor) -> bool:
     """Whether the rows' stated block ``norms`` (distinct rows x blocks, float64) put some two rows, or a row and
     zero, further apart than the squared distances ``squared`` the reducer published (rows x rows; or, a vector,
     the rows' squared norms); ``around``: each row's squared distance from the medoid (or squared norm), which
-    sets the float slack."""
-    if squared.dim() == 2:
+    sets the float slack. Leading dimensions are batches of chunks."""
+    if squared.dim() == norms.dim():
         lower = distance_floor(norms)
-        slack = DISTANCE_FLOAT * (around[:, None] + around[None, :])
+        slack = DISTANCE_FLOAT * (around[..., :, None] + around[..., None, :])
     else:
         lower = ((norms * (1 - NORM_TOLERANCE)) ** 2).sum(-1)
         slack = DISTANCE_FLOAT * around
@@ -70,7 +69,8 @@ def rows_too_far(norms: torch.Tensor, squared: torch.Tensor, around: torch.Tenso
 
 
 def distance_floor(norms: torch.Tensor) -> torch.Tensor:
-    """The least squared distance (rows x rows) that the rows' stated block ``norms`` (rows x blocks) allow between
-    each two rows, given the tolerance a stated norm is checked to."""
-    gap = (norms[:, None, :] - norms[None, :, :]).abs() - NORM_TOLERANCE * (norms[:, None, :] + norms[None, :, :])
+    """The least squared distance (rows x rows) that the rows' stated block ``norms`` (rows x blocks, with any
+    leading batch dimensions) allow between each two rows, given the tolerance a stated norm is checked to."""
+    left, right = norms[..., :, None, :], norms[..., None, :, :]
+    gap = (left - right).abs() - NORM_TOLERANCE * (left + right)
     return (gap.clamp_min(0) ** 2).sum(-1)

@@ -9,7 +9,7 @@ From the seed, per span and chunk: ``SAMPLES`` coordinates where every member re
 average is checked exactly there), and a sketch of ``SKETCH_SIZE`` random +-1 projections that preserves the
 distances and norms of rows (the robust rules' checks). The sketch direction of projection ``i`` at element
 ``(b, p)`` of the chunk seen as rows of ``SKETCH_WIDTH`` is ``e[b, i] * s[p, i]``: ``e`` fresh per chunk, ``s``
-per round, so a chunk costs one (k x rows) by (rows x width) product and a few KB of randomness instead of a
+per round, so a chunk costs one (rows x width) by (width x k) product and a few KB of randomness instead of a
 k x chunk matrix. Each direction is +-1 everywhere, so a projection's square has the row's squared norm as its
 mean; the product structure makes the estimate's tails heavier than for independent signs (worst for a row
 that is an outer product in this layout), and checks size their bounds for that worst case (checks.py).
@@ -88,8 +88,12 @@ class RoundRandomness:
         e = _signs(_stream(self.seed, -(-blocks * SKETCH_SIZE // 8), b"sketch-e", u64(span), u64(chunk)),
                    blocks, SKETCH_SIZE)
         full = length // width
-        z = e[:full].t() @ row[: full * width].view(full, width) if full else torch.zeros(SKETCH_SIZE, width)
+        # the chunk as rows of `width` against s first: one (rows x width) by (width x k) product, then k sums
+        # of `rows` terms (multiplying by e first leaves a k x width product to weigh by s)
+        projected = torch.empty(blocks, SKETCH_SIZE)
+        if full:
+            torch.mm(row[: full * width].view(full, width), self.s, out=projected[:full])
         if length > full * width:
             tail = row[full * width :]
-            z[:, : tail.numel()] += torch.outer(e[full], tail)
-        return (z * self.s.t()).sum(1, dtype=torch.float64)
+            torch.mv(self.s[: tail.numel()].t(), tail, out=projected[full])
+        return (e.double() * projected.double()).sum(0)

@@ -20,13 +20,14 @@ import torch
 
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
-from peerd.averaging.verify.checks import Inconsistent, check_chunk, look_alike
+from peerd.averaging.verify.checks import Inconsistent, check_chunks
 from peerd.averaging.verify.disputes import judge_chunk, output_signed
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import bounded, checks_averages, view
+from peerd.averaging.verify.payloads import PayloadView, bounded, checks_averages, view
 from peerd.averaging.verify.proofs import Evidence, bad_reduction, equivocation, false_samples, two_averages
 from peerd.averaging.verify.randomness import RoundRandomness, commitment, new_share, round_seed
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
+from peerd.averaging.verify.sketches import look_alike
 from peerd.averaging.verify.statement import Statement, parse_statement
 from peerd.config import AveragingConfig
 from peerd.errors import ProtocolViolation
@@ -224,40 +225,51 @@ class RoundVerification:
         by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
         void: list[int] = []
         unchecked: list[int] = []
-        audit: int | None = None
-        agreeing = is_state_round(self.group.round_id)  # identical rows are members there: no copies to hide
+        ready: list[int] = []  # the chunks checked against the samples, all at once (checks.check_chunks)
+        outs: list[torch.Tensor] = []
+        payloads: list[PayloadView] = []
+        required: list[int] = []
+        problem: Verdict | None = None  # the first chunk that fails before its samples are looked at
+        own = self.own_rows.get(span)
         for index, chunk in enumerate(statement.chunks):
             if chunk.void:
                 void.append(index)
                 continue
             output = self.outputs.get(span, {}).get(index)
             if output is None:
-                return Verdict(False, f"no average of chunk {index}")
+                problem = Verdict(False, f"no average of chunk {index}")
+                break
             if self.rank in chunk.included:
                 row = statement.rows[self.rank]
                 if row.hashes != self.own_hashes.get(span, [])[: len(row.hashes)] or row.weight != self.own_weight:
-                    return Verdict(False, "its statement misstates this member's row", index)
+                    problem = Verdict(False, "its statement misstates this member's row", index)
+                    break
             payload = view(output[0])
             if not bounded(payload):
                 if checks_averages(self.config.codec, self.config.verification.check_narrow_codes):
-                    return Verdict(False, f"its average of chunk {index} is coded {payload.scheme.name}, which no "
-                                          f"member can check; this peer applies only averages it checks")
+                    problem = Verdict(False, f"its average of chunk {index} is coded {payload.scheme.name}, which "
+                                             f"no member can check; this peer applies only averages it checks")
+                    break
                 unchecked.append(index)  # this peer codes that way itself: it takes the averages on trust
                 continue
             missing = [r for r in chunk.included if statement.span not in by_rank[r].spans]
             if missing:
-                return Verdict(False, f"no samples of span {span} from ranks {missing}")
+                problem = Verdict(False, f"no samples of span {span} from ranks {missing}")
+                break
             a, b = self.layout[span][index]
-            out = self.result[start + a : start + b]
-            try:
-                own = self.own_rows.get(span)
-                required = own.counts[index] if own is not None and self.rank in chunk.included and \
-                    index < len(own.counts) else 0
-                check_chunk(statement, index, by_rank, out, payload, randomness, self.config, required)
-            except Inconsistent as e:
-                return Verdict(False, str(e), e.chunk)
-            if audit is None and not agreeing and look_alike(statement, index, by_rank):
-                audit = index
+            ready.append(index)
+            outs.append(self.result[start + a : start + b])
+            payloads.append(payload)
+            required.append(own.counts[index] if own is not None and self.rank in chunk.included and
+                            index < len(own.counts) else 0)
+        try:  # a chunk before the first problem that fails its checks comes first
+            check_chunks(statement, ready, by_rank, outs, payloads, randomness, self.config, required)
+        except Inconsistent as e:
+            return Verdict(False, str(e), e.chunk)
+        if problem is not None:
+            return problem
+        agreeing = is_state_round(self.group.round_id)  # identical rows are members there: no copies to hide
+        audit = None if agreeing else next((i for i in ready if look_alike(statement, i, by_rank)), None)
         return Verdict(True, challenge=audit, void=void, unchecked=unchecked)
 
     # --- disputes -----------------------------------------------------------------------------------------------
