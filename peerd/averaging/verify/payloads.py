@@ -130,12 +130,17 @@ def code_average(average: torch.Tensor, residual: torch.Tensor | None, config: C
     return payload
 
 
-def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor, required: int = 0) -> torch.Tensor:
-    """For the elements ``index`` of a reducer's coded average (``decoded``): how far an honest reducer's
-    coded value may be from its exact average, float64. ``required``: the most elements a member's top-k row of
-    the chunk carries (SPARSE8 carries at least as many, or every nonzero element)."""
+def error_bound(payload: PayloadView, decoded: torch.Tensor, index: torch.Tensor | None,
+                required: int = 0) -> torch.Tensor:
+    """For the elements ``index`` (None: every one) of a reducer's coded average (``decoded``): how far an honest
+    reducer's coded value may be from its exact average, float64. ``required``: the most elements a member's
+    top-k row of the chunk carries (SPARSE8 carries at least as many, or every nonzero element)."""
     if payload.scales is not None:
-        return payload.scales[index // payload.block].double() * ERROR_SLACK + TINY
+        scales = payload.scales.repeat_interleave(payload.block)[: decoded.numel()] if index is None else \
+            payload.scales[index // payload.block]
+        return scales.double() * ERROR_SLACK + TINY
+    if index is None:
+        index = torch.arange(decoded.numel())
     if payload.support is not None and payload.support_scales is not None:
         # a sent element: the step of its block of sent values, as for 8-bit blocks (rounding takes half of it;
         # SPARSE8 carries no residual). Any other element: 0 if fewer than `required` were sent (an honest

@@ -8,8 +8,10 @@ the sealed row (disputes.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from peerd.averaging.verify.keys import KeyBook, SigningKey, open_signed
@@ -88,6 +90,11 @@ def build_samples(key: SigningKey, round_id: str, randomness: RoundRandomness, r
     return pb.Signed(body=body, signature=key.sign(LABEL, body))
 
 
+def _doubles(field: Iterable[float]) -> torch.Tensor:
+    # numpy reads a repeated double field at once (torch.tensor goes element by element, ~250x slower)
+    return torch.from_numpy(numpy.array(field, dtype=numpy.float64))
+
+
 def parse_samples(signed: pb.Signed, member: str, round_id: str, seed: bytes,
                   layout: dict[int, list[tuple[int, int]]], block_size: int, keys: KeyBook) -> MemberSamples:
     """``member``'s samples for the spans in ``layout`` (span -> chunk bounds) it states (others are skipped);
@@ -116,15 +123,12 @@ def parse_samples(signed: pb.Signed, member: str, round_id: str, seed: bytes,
                 entry.sketch and len(entry.sketch) != SKETCH_SIZE * len(chunks)) or len(entry.output_hashes) > len(
                 chunks) or len(entry.output_hashes) != len(entry.output_signatures):
             raise bad(f"span {entry.span_index}: sizes do not fit its chunks")
-        values = torch.tensor(list(entry.values), dtype=torch.float64)
-        envelope = torch.tensor(list(entry.envelope), dtype=torch.float64)
-        norms = torch.tensor(list(entry.block_norms), dtype=torch.float64)
+        values, envelope, norms = (_doubles(field) for field in (entry.values, entry.envelope, entry.block_norms))
         if not all(bool(t.isfinite().all()) for t in (values, envelope, norms)):
             raise bad(f"span {entry.span_index}: non-finite values")
         if bool((norms < 0).any()):
             raise bad(f"span {entry.span_index}: a negative norm")
-        sketch = torch.tensor(list(entry.sketch), dtype=torch.float64).view(len(chunks), SKETCH_SIZE) \
-            if entry.sketch else None
+        sketch = _doubles(entry.sketch).view(len(chunks), SKETCH_SIZE) if entry.sketch else None
         spans[entry.span_index] = SpanRows(
             list(torch.split(values, [s for s, _ in sizes])), list(torch.split(envelope, [e for _, e in sizes])),
             list(torch.split(norms, [e for _, e in sizes])),
