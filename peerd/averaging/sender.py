@@ -195,9 +195,8 @@ class SpanExchange:
             self.report.bytes_sent += sent  # after the await: several reducers are fed at once
         seal = v.signing.sign(SEAL, *seal_parts(self.group.round_id, self.index, self.source.numel(),
                                                 self.config.chunk_numel, self.weight, self.hashes))
-        v.own_rows[self.index] = OwnRow(self.decoded, self.chunks, self.envelopes, self.block_norms,
-                                         self.counts)
-        v.own_hashes[self.index] = self.hashes
+        await v.row_sealed(self.index, OwnRow(self.decoded, self.chunks, self.envelopes, self.block_norms,
+                                              self.counts), self.hashes)
         self.report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(seal=seal))
 
     async def _collect_all(self, reader: asyncio.StreamReader) -> None:

@@ -23,7 +23,8 @@ from peerd.averaging.reducer import SpanReducer
 from peerd.averaging.requests import PROTOCOL_VERSION
 from peerd.averaging.verify.payloads import code_average
 from peerd.averaging.verify.randomness import commitment, new_share
-from peerd.averaging.verify.round import RoundVerification, Verdict
+from peerd.averaging.verify.round import RoundVerification
+from peerd.averaging.verify.verdict import Verdict
 from peerd.config import AveragingConfig, CodecConfig, StreamLimits, VerificationConfig
 from peerd.proto import peerd_averaging_pb2 as pb
 from peerd.wire import codec

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes
 
 from peerd.averaging import absences, aggregation, matchmaking
 from peerd.averaging.verify import checks, coefficients, disputes
-from peerd.averaging.verify import round as verify_round
+from peerd.averaging.verify import verdict as verify_verdict
 from peerd.bounded import PeerMedians
 from peerd.cli import main
 from peerd.experts.client import directory
@@ -97,7 +97,7 @@ def _copies_count() -> None:
     """Count every row as a member of its own, identical or not, reducing and checking a reducer's statement
     (no copies to declare, none to look for)."""
     aggregation.distinct = disputes.distinct = lambda rows: list(range(rows.shape[0]))  # type: ignore[attr-defined]
-    verify_round.look_alike = lambda statement, index, samples: False  # type: ignore[attr-defined]
+    verify_verdict.look_alike = lambda statement, index, samples: False  # type: ignore[attr-defined]
 
 
 def _capped_mean_of_pairs() -> None:

@@ -4,7 +4,8 @@ checks."""
 
 from __future__ import annotations
 
-from peerd.averaging.verify.round import RoundVerification, Verdict
+from peerd.averaging.verify.round import RoundVerification
+from peerd.averaging.verify.verdict import Verdict
 from peerd.cli import main
 
 

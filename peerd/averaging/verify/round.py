@@ -14,26 +14,23 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
-from peerd.averaging.verify.checks import Inconsistent, check_chunks
 from peerd.averaging.verify.disputes import judge_chunk, output_signed
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.payloads import PayloadView, bounded, checks_averages, view
 from peerd.averaging.verify.proofs import Evidence, bad_reduction, equivocation, false_samples, two_averages
 from peerd.averaging.verify.randomness import RoundRandomness, commitment, new_share, round_seed
-from peerd.averaging.verify.samples import MemberSamples, OwnRow, build_samples, parse_samples
-from peerd.averaging.verify.sketches import look_alike
+from peerd.averaging.verify.samples import MemberSamples, OwnRow, parse_samples, row_samples, sign_samples
 from peerd.averaging.verify.statement import Statement, parse_statement
+from peerd.averaging.verify.verdict import Held, Verdict, span_verdict
 from peerd.config import AveragingConfig
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
-__all__ = ["Accuse", "RoundVerification", "Verdict"]
+__all__ = ["Accuse", "RoundVerification"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +38,6 @@ _AUDIT = random.SystemRandom()
 
 
 Accuse = Callable[[str, str, Evidence | None, bool], None]
-
-
-@dataclass
-class Verdict:
-    apply: bool
-    reason: str = ""
-    challenge: int | None = None  # a chunk whose rows would show who lied (or an audit of one that passed)
-    void: list[int] = field(default_factory=list)
-    unchecked: list[int] = field(default_factory=list)  # chunks coded without a bound, applied as this peer codes
 
 
 class RoundVerification:
@@ -107,8 +95,14 @@ class RoundVerification:
             self.problems[span] = e.message
             raise
 
+    async def row_sealed(self, span: int, row: OwnRow, hashes: list[bytes]) -> None:
+        """This member's contribution to span ``span`` is sent, and sealed with these chunk ``hashes``."""
+        def note() -> None:
+            self.own_rows[span], self.own_hashes[span] = row, hashes
+        await self._note(note)
+
     async def row_done(self, span: int) -> None:
-        """This member's contribution to span ``span`` is sent and sealed (``own_rows``), or never will be."""
+        """This member's exchange with span ``span``'s reducer is over: its averages are in, or never will be."""
         await self._note(lambda: self.rows_done.add(span))
 
     async def samples_from(self, member: str, signed: pb.Signed) -> None:
@@ -158,9 +152,12 @@ class RoundVerification:
     async def _build_mine(self) -> pb.Signed:
         randomness = await self.randomness()
         others = set(range(len(self.spans))) - {self.rank}
+        # each row is sealed once its last chunk is out, before the last averages are in: project them meanwhile
+        await self._until(lambda: all(span in self.own_rows or span in self.rows_done for span in others))
+        rows = await asyncio.to_thread(row_samples, self.signing, self.group.round_id, randomness,
+                                       dict(self.own_rows), self.with_sketch)
         await self._until(lambda: self.rows_done >= others)
-        signed = await asyncio.to_thread(build_samples, self.signing, self.group.round_id, randomness,
-                                         dict(self.own_rows), self.with_sketch, self.outputs)
+        signed = await asyncio.to_thread(sign_samples, self.signing, rows, self.outputs)
         await self.samples_from(self.me, signed)
         return signed
 
@@ -221,56 +218,11 @@ class RoundVerification:
 
     def _check(self, statement: Statement, randomness: RoundRandomness) -> Verdict:
         span = statement.span
-        start, _ = self.spans[span]
+        start, end = self.spans[span]
+        held = Held(self.rank, self.outputs.get(span, {}), self.result[start:end], self.layout[span],
+                    self.own_rows.get(span), self.own_hashes.get(span, []), self.own_weight)
         by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
-        void: list[int] = []
-        unchecked: list[int] = []
-        ready: list[int] = []  # the chunks checked against the samples, all at once (checks.check_chunks)
-        outs: list[torch.Tensor] = []
-        payloads: list[PayloadView] = []
-        required: list[int] = []
-        problem: Verdict | None = None  # the first chunk that fails before its samples are looked at
-        own = self.own_rows.get(span)
-        for index, chunk in enumerate(statement.chunks):
-            if chunk.void:
-                void.append(index)
-                continue
-            output = self.outputs.get(span, {}).get(index)
-            if output is None:
-                problem = Verdict(False, f"no average of chunk {index}")
-                break
-            if self.rank in chunk.included:
-                row = statement.rows[self.rank]
-                if row.hashes != self.own_hashes.get(span, [])[: len(row.hashes)] or row.weight != self.own_weight:
-                    problem = Verdict(False, "its statement misstates this member's row", index)
-                    break
-            payload = view(output[0])
-            if not bounded(payload):
-                if checks_averages(self.config.codec, self.config.verification.check_narrow_codes):
-                    problem = Verdict(False, f"its average of chunk {index} is coded {payload.scheme.name}, which "
-                                             f"no member can check; this peer applies only averages it checks")
-                    break
-                unchecked.append(index)  # this peer codes that way itself: it takes the averages on trust
-                continue
-            missing = [r for r in chunk.included if statement.span not in by_rank[r].spans]
-            if missing:
-                problem = Verdict(False, f"no samples of span {span} from ranks {missing}")
-                break
-            a, b = self.layout[span][index]
-            ready.append(index)
-            outs.append(self.result[start + a : start + b])
-            payloads.append(payload)
-            required.append(own.counts[index] if own is not None and self.rank in chunk.included and
-                            index < len(own.counts) else 0)
-        try:  # a chunk before the first problem that fails its checks comes first
-            check_chunks(statement, ready, by_rank, outs, payloads, randomness, self.config, required)
-        except Inconsistent as e:
-            return Verdict(False, str(e), e.chunk)
-        if problem is not None:
-            return problem
-        agreeing = is_state_round(self.group.round_id)  # identical rows are members there: no copies to hide
-        audit = None if agreeing else next((i for i in ready if look_alike(statement, i, by_rank)), None)
-        return Verdict(True, challenge=audit, void=void, unchecked=unchecked)
+        return span_verdict(statement, by_rank, held, randomness, self.config, is_state_round(self.group.round_id))
 
     # --- disputes -----------------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from peerd.averaging.verify.randomness import SAMPLES, SKETCH_SIZE, RoundRandomn
 from peerd.errors import ProtocolViolation
 from peerd.proto import peerd_averaging_pb2 as pb
 
-__all__ = ["MemberSamples", "OwnRow", "SpanRows", "build_samples", "parse_samples"]
+__all__ = ["MemberSamples", "OwnRow", "SpanRows", "build_samples", "parse_samples", "row_samples", "sign_samples"]
 
 LABEL = b"peerd.v1.averaging.samples"
 MAX_SAMPLES_BYTES = 16 << 20
@@ -68,24 +68,40 @@ def envelope_count(length: int, block_size: int) -> int:
 def build_samples(key: SigningKey, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
                   with_sketch: bool, outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]]) -> pb.Signed:
     """``outputs``: span -> chunk -> (payload, signature, hash) of the averages this member received."""
+    return sign_samples(key, row_samples(key, round_id, randomness, rows, with_sketch), outputs)
+
+
+def row_samples(key: SigningKey, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
+                with_sketch: bool) -> pb.MemberSamples:
+    """What this member's samples say of its ``rows`` (span -> its row there), before the averages it received
+    are added (:func:`sign_samples`): its rows are sealed as they go out, well before the last average is in,
+    and projecting them is most of the work."""
     message = pb.MemberSamples(round_id=round_id, member=key.peer_id, seed=randomness.seed,
                                credentials=key.credentials)
     for span, own in sorted(rows.items()):
         entry = message.spans.add(span_index=span)
-        for index, ((a, b), envelope, norms) in enumerate(zip(own.chunks, own.envelopes, own.norms, strict=True)):
-            chunk = own.row[a:b]
-            entry.values.extend(chunk[randomness.offsets(span, index, b - a)].tolist())
-            entry.envelope.extend(envelope.tolist())
-            entry.block_norms.extend(norms.tolist())
-            if with_sketch:
-                entry.sketch.extend(randomness.sketch(span, index, chunk).tolist())
-        received = outputs.get(span, {})
-        for index in range(len(own.chunks)):
-            if index not in received:
-                break
+        at = [randomness.offsets(span, index, b - a) + a for index, (a, b) in enumerate(own.chunks)]
+        entry.values.extend(own.row[torch.cat(at)].tolist() if at else [])
+        entry.envelope.extend(torch.cat(own.envelopes).tolist() if own.envelopes else [])
+        entry.block_norms.extend(torch.cat(own.norms).tolist() if own.norms else [])
+        if with_sketch and own.chunks:
+            entry.sketch.extend(torch.cat([randomness.sketch(span, index, own.row[a:b])
+                                           for index, (a, b) in enumerate(own.chunks)]).tolist())
+    return message
+
+
+def sign_samples(key: SigningKey, message: pb.MemberSamples,
+                 outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]]) -> pb.Signed:
+    """``message`` (:func:`row_samples`) with the hash and signature of every average this member received in
+    each of its spans, in chunk order up to the first missing one, signed."""
+    for entry in message.spans:
+        received = outputs.get(entry.span_index, {})
+        index = 0
+        while index in received:
             _, signature, digest = received[index]
             entry.output_hashes.append(digest)
             entry.output_signatures.append(signature)
+            index += 1
     body = message.SerializeToString()
     return pb.Signed(body=body, signature=key.sign(LABEL, body))
 
