@@ -355,7 +355,11 @@ def peerd_worker(ctx: WorkerCtx, secret: bytes | None = None, aggregation: str |
     verified = "identity" in inspect.signature(AllReducer.__init__).parameters
     identity = ctx.rdv / f"identity-{ctx.rank}"
     P2P.generate_identity(str(identity))
-    print(f"peerd from {inspect.getfile(AllReducer)}, verified reductions: {verified}", file=sys.stderr)
+    from peerd.wire import blockwise
+
+    kernel = blockwise.kernel() if hasattr(blockwise, "kernel") else "torch"
+    print(f"peerd from {inspect.getfile(AllReducer)}, verified reductions: {verified}, codec kernel: {kernel}",
+          file=sys.stderr)
     with _p2p_on_loop(ctx, "peerd", identity) as (p2p, run, member_list):
         members = tuple(member_list)
         # PEERD_BENCH_CONFIG='{"chunk_numel": 262144}' overrides any averaging option, for A/B runs

@@ -335,10 +335,24 @@ def export_revision(revision: str, into: Path) -> Path:
     if protoc.main(["grpc_tools.protoc", f"-I{into / 'protocols'}", f"--python_out={out}", *sources]) != 0:
         raise RuntimeError(f"protoc failed on the protocols of {revision}")
     (out / "__init__.py").write_text("")
+    _build_kernel(into)
     rev = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", revision], check=True,
                          capture_output=True, text=True).stdout.strip()
     print(f"baseline: peerd at {rev} in {into}", flush=True)
     return into
+
+
+def _build_kernel(tree: Path) -> None:
+    """The codec's C kernel of an exported revision, built as setup.py builds it (a revision without it encodes
+    with torch, several times slower: a baseline without its kernel would make every other revision look fast)."""
+    import sysconfig
+
+    source = tree / "peerd" / "wire" / "_blockwise.c"
+    if not source.exists():
+        return
+    target = source.with_name("_blockwise" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([sysconfig.get_config_var("CC").split()[0], "-O3", "-pthread", "-shared", "-fPIC",
+                    f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(target)], check=True)
 
 
 def print_baseline_comparison(results: list[GroupResult]) -> None:

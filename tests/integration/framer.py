@@ -12,17 +12,17 @@ from peerd.cli import main
 
 SCALE = -1000.0
 
-_honest_build = verification.build_samples
+_honest_rows = verification.row_samples
 
 
 def _framing_build(key: Any, round_id: str, randomness: Any, rows: dict[int, OwnRow], *args: Any) -> Any:
     lies = {span: OwnRow(own.row * SCALE, own.chunks, [bound * abs(SCALE) for bound in own.envelopes],
                          [norms * abs(SCALE) for norms in own.norms])
             for span, own in rows.items()}
-    return _honest_build(key, round_id, randomness, lies, *args)
+    return _honest_rows(key, round_id, randomness, lies, *args)
 
 
-verification.build_samples = _framing_build  # type: ignore[assignment]
+verification.row_samples = _framing_build  # type: ignore[assignment]
 
 if __name__ == "__main__":
     main()

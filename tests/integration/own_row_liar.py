@@ -20,7 +20,7 @@ from peerd.averaging.aggregation import Combined
 from peerd.averaging.verify import round as verify_round
 from peerd.averaging.verify.payloads import block_norms, envelope
 from peerd.averaging.verify.randomness import RoundRandomness
-from peerd.averaging.verify.samples import LABEL, OwnRow
+from peerd.averaging.verify.samples import OwnRow
 from peerd.cli import main
 from peerd.config import CodecConfig
 from peerd.proto import peerd_averaging_pb2 as pb
@@ -30,7 +30,7 @@ FRACTION = float(os.environ.get("PEERD_TEST_LIE_FRACTION", "1"))
 BLOCK = CodecConfig().block_size
 
 _honest_combine = robust.RobustChunks.combine
-_honest_build = verify_round.build_samples
+_honest_rows = verify_round.row_samples
 # round id -> (its span, chunk index -> (the far row it samples, the near row it sketches))
 STATED: dict[str, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
@@ -63,11 +63,11 @@ def _lying_combine(self: robust.RobustChunks, index: int, included: set[str], nu
     return members, combined
 
 
-def _lying_build(key: Any, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
-                 with_sketch: bool, outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]]) -> pb.Signed:
+def _lying_rows(key: Any, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
+                with_sketch: bool) -> pb.MemberSamples:
     span, stated = STATED.pop(round_id, (-1, {}))
     if span not in rows or not stated:
-        return _honest_build(key, round_id, randomness, rows, with_sketch, outputs)
+        return _honest_rows(key, round_id, randomness, rows, with_sketch)
     own = rows[span]
     sampled, sketched = own.row.clone(), own.row.clone()
     envelopes, norms = list(own.envelopes), list(own.norms)
@@ -78,19 +78,17 @@ def _lying_build(key: Any, round_id: str, randomness: RoundRandomness, rows: dic
     # values, envelope and block norms from the far row, the sketch from the near one: two builds, spliced
     far_rows = {**rows, span: OwnRow(sampled, own.chunks, envelopes, norms, own.counts)}
     near_rows = {**rows, span: OwnRow(sketched, own.chunks, envelopes, norms, own.counts)}
-    lie = pb.MemberSamples.FromString(_honest_build(key, round_id, randomness, far_rows, with_sketch, outputs).body)
-    sketch = pb.MemberSamples.FromString(
-        _honest_build(key, round_id, randomness, near_rows, with_sketch, outputs).body)
+    lie = _honest_rows(key, round_id, randomness, far_rows, with_sketch)
+    sketch = _honest_rows(key, round_id, randomness, near_rows, with_sketch)
     for entry, near_entry in zip(lie.spans, sketch.spans, strict=True):
         if entry.span_index == span:
             del entry.sketch[:]
             entry.sketch.extend(near_entry.sketch)
-    body = lie.SerializeToString()
-    return pb.Signed(body=body, signature=key.sign(LABEL, body))
+    return lie
 
 
 robust.RobustChunks.combine = _lying_combine  # type: ignore[method-assign]
-verify_round.build_samples = _lying_build  # type: ignore[assignment]
+verify_round.row_samples = _lying_rows  # type: ignore[assignment]
 
 if __name__ == "__main__":
     main()

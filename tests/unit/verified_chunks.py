@@ -104,7 +104,15 @@ class Span:
                 self.round_id, 0, numel, self.config.chunk_numel, (self.weights or [])[rank], hashes))
             message.rows.add(rank=rank, weight=(self.weights or [])[rank], chunk_hashes=hashes, seal=seal,
                              credentials=self.signing[rank].credentials)
-        record = message.chunks.add(included=list(range(n)), coefficients=self.coefficients or [],
+        self.record(message)
+        if edit is not None:
+            message.MergeFrom(edit)
+        return parse_statement(sign_statement(self.signing[0], message), self.group, 0, numel,
+                               self.config.chunk_numel, KeyBook())
+
+    def record(self, message: pb.SpanStatement) -> None:
+        """Adds this chunk's record to ``message``."""
+        record = message.chunks.add(included=list(range(self.rows.shape[0])), coefficients=self.coefficients or [],
                                     medoid=self.medoid)
         if self.gram is not None:
             record.gram[:] = self.gram.reshape(-1).tolist()
@@ -112,10 +120,6 @@ class Span:
             record.norms[:] = self.norms.tolist()
         if self.same_as is not None:
             record.same_as[:] = self.same_as
-        if edit is not None:
-            message.MergeFrom(edit)
-        return parse_statement(sign_statement(self.signing[0], message), self.group, 0, numel,
-                               self.config.chunk_numel, KeyBook())
 
     def samples(self, rank: int, row: torch.Tensor | None = None) -> MemberSamples:
         """Member ``rank``'s samples of its row (``row``: what it claims instead of its decoded row)."""
@@ -158,3 +162,49 @@ class Span:
         sketch = self.samples(0, row=near[0].float()).spans[0].sketch
         samples[0] = dataclasses.replace(sampled, spans={0: dataclasses.replace(sampled.spans[0], sketch=sketch)})
         return samples
+
+
+@dataclass
+class Chunks:
+    """Span 0 cut into the chunks of ``parts``, each reduced as its Span reduces its one chunk (same rule, weights
+    and seed): one statement over every chunk, every member's samples of its whole row."""
+
+    parts: list[Span]
+
+    def __post_init__(self) -> None:
+        first = self.parts[0]
+        self.length = first.rows.shape[1]
+        self.bounds = [(i * self.length, (i + 1) * self.length) for i in range(len(self.parts))]
+        self.config, self.group, self.randomness = first.config, first.group, first.randomness
+
+    def statement(self) -> Statement:
+        first, n, numel = self.parts[0], self.parts[0].rows.shape[0], self.length * len(self.parts)
+        message = pb.SpanStatement(round_id=first.round_id, span_index=0, span_numel=numel,
+                                   chunk_numel=self.length, members=list(self.group.members), rule=first.rule,
+                                   reducer=first.signing[0].credentials)
+        for rank in range(n):
+            hashes = [blake3.blake3(part.payloads[rank]).digest() for part in self.parts]
+            weight = (first.weights or [])[rank]
+            seal = b"" if rank == 0 else first.signing[rank].sign(SEAL, *seal_parts(
+                first.round_id, 0, numel, self.length, weight, hashes))
+            message.rows.add(rank=rank, weight=weight, chunk_hashes=hashes, seal=seal,
+                             credentials=first.signing[rank].credentials)
+        for part in self.parts:
+            part.record(message)
+        return parse_statement(sign_statement(first.signing[0], message), self.group, 0, numel, self.length,
+                               KeyBook())
+
+    def samples(self) -> dict[int, MemberSamples]:
+        first = self.parts[0]
+        found = {}
+        for rank in range(first.rows.shape[0]):
+            decoded = [part.decoded[rank] for part in self.parts]
+            own = OwnRow(torch.cat(decoded), self.bounds,
+                         [envelope(view(part.payloads[rank]), row, CODEC.block_size)
+                          for part, row in zip(self.parts, decoded, strict=True)],
+                         [block_norms(row, CODEC.block_size) for row in decoded])
+            signed = build_samples(first.signing[rank], first.round_id, self.randomness, {0: own},
+                                   first.rule != "mean", {})
+            found[rank] = parse_samples(signed, self.group.members[rank], first.round_id, first.seed,
+                                        {0: self.bounds}, CODEC.block_size, KeyBook())
+        return found
