@@ -218,6 +218,9 @@ class SpanExchange:
         self.report.bytes_received += frame_size(len(data))
         await run_chunk_work(b - a, codec.decode, data, peer_id=self.member, expected_shape=(b - a,),
                              out=self.out[a:b])
+        # the average's block norms for the checks, taken now that it sits in cache, not in the round's last step
+        norms = await run_chunk_work(b - a, block_norms, self.out[a:b], self.verification.config.codec.block_size)
+        self.verification.output_norms.setdefault(self.index, {})[k] = norms
         # hashed for this member's samples: two members holding different signed averages convict the reducer
         digest = await run_chunk_work(b - a, lambda: blake3.blake3(data).digest())
         self.verification.outputs.setdefault(self.index, {})[k] = (data, bytes(response.signature), digest)

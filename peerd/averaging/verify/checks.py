@@ -62,12 +62,14 @@ class Inconsistent(Exception):
 
 def check_chunks(statement: Statement, indices: Sequence[int], samples: dict[int, MemberSamples],
                  outs: Sequence[torch.Tensor], payloads: Sequence[PayloadView], randomness: RoundRandomness,
-                 config: AveragingConfig, required: Sequence[int]) -> None:
+                 config: AveragingConfig, required: Sequence[int],
+                 norms: Sequence[torch.Tensor | None] | None = None) -> None:
     """Raises Inconsistent for the first of the span's chunks ``indices`` (ascending) that does not agree with the
     statement and the included members' ``samples`` (by rank, each holding this span). Per chunk: ``outs``, the
     average this member decoded; ``payloads``, its codec payload's view; ``required``, the elements this member's
     own included top-k row carried, which a SPARSE8 average must carry too unless it carries every nonzero
-    element (payloads.error_bound)."""
+    element (payloads.error_bound); ``norms``, the average's block norms if already taken (None: taken here)."""
+    given = list(norms) if norms is not None else [None] * len(indices)
     batches: dict[tuple[object, ...], list[int]] = {}
     for position, index in enumerate(indices):
         chunk = statement.chunks[index]
@@ -77,11 +79,11 @@ def check_chunks(statement: Statement, indices: Sequence[int], samples: dict[int
     failed: list[int] = []
     for positions in batches.values():
         try:
-            _check(statement, positions, indices, samples, outs, payloads, randomness, config, required)
+            _check(statement, positions, indices, samples, outs, payloads, randomness, config, required, given)
         except Inconsistent:
             failed.extend(positions)
     for position in sorted(failed):  # one by one: the first chunk that fails, and its first failing check
-        _check(statement, [position], indices, samples, outs, payloads, randomness, config, required)
+        _check(statement, [position], indices, samples, outs, payloads, randomness, config, required, given)
 
 
 def check_chunk(statement: Statement, index: int, samples: dict[int, MemberSamples], out: torch.Tensor,
@@ -97,7 +99,7 @@ def _stacked(rows: list[SpanRows], field: str, chunks: list[int]) -> torch.Tenso
 
 def _check(statement: Statement, positions: list[int], indices: Sequence[int], samples: dict[int, MemberSamples],
            all_outs: Sequence[torch.Tensor], all_payloads: Sequence[PayloadView], randomness: RoundRandomness,
-           config: AveragingConfig, all_required: Sequence[int]) -> None:
+           config: AveragingConfig, all_required: Sequence[int], all_norms: Sequence[torch.Tensor | None]) -> None:
     """The checks of the chunks at ``positions`` of ``indices``, which share their rows, size and code; raises
     Inconsistent naming the batch's first chunk (its reason is exact for a batch of one)."""
     chunks = [indices[p] for p in positions]
@@ -133,7 +135,9 @@ def _check(statement: Statement, positions: list[int], indices: Sequence[int], s
     if own.shape != bound.shape or bool(own.gt(bound * ENVELOPE_SLACK + FP16_ABSOLUTE).any()):
         raise Inconsistent(chunks[0], "the average exceeds what its rows' magnitudes allow in some block")
     norms = _stacked(rows, "norms", chunks)
-    over = average_too_large(averages.norms_of(outs, block_size), averages.error_norms_of(payloads, outs, block_size),
+    taken = [norm for norm in (all_norms[p] for p in positions) if norm is not None]
+    own_norms = torch.stack(taken) if len(taken) == len(positions) else averages.norms_of(outs, block_size)
+    over = average_too_large(own_norms, averages.error_norms_of(payloads, outs, block_size),
                              norms if coefficients is not None else norms[:, distinct], coefficients)
     if over is not None:
         raise Inconsistent(chunks[over[0]], f"the average's norm in coarse block {over[1]} exceeds what its rows' "

@@ -63,8 +63,10 @@ class RoundVerification:
         self.own_weight = 0.0
         # span -> chunk -> (payload, the reducer's signature, blake3 of the payload)
         self.outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]] = {}
+        self.output_norms: dict[int, dict[int, torch.Tensor]] = {}  # span -> chunk -> block norms, as it came
         self.samples: dict[str, MemberSamples] = {}
         self.unparsed: dict[str, pb.Signed] = {}
+        self.parsing: dict[str, asyncio.Future[MemberSamples | str]] = {}
         self.with_sketch = config.aggregation != "mean"  # robust rules: distances, norms and copies
         self.verdicts: dict[int, Verdict] = {}
         self.own_void: list[int] = []
@@ -106,7 +108,18 @@ class RoundVerification:
         await self._note(lambda: self.rows_done.add(span))
 
     async def samples_from(self, member: str, signed: pb.Signed) -> None:
+        if member not in self.unparsed:  # read as it comes, off the event loop, while the others are awaited
+            self.parsing[member] = asyncio.ensure_future(self._parse(member, signed))
         await self._note(lambda: self.unparsed.setdefault(member, signed))
+
+    async def _parse(self, member: str, signed: pb.Signed) -> MemberSamples | str:
+        """``member``'s samples, or why they are not samples of this round's rows."""
+        seed = (await self.randomness()).seed
+        try:
+            return await asyncio.to_thread(parse_samples, signed, member, self.group.round_id, seed, self.layout,
+                                           self.config.codec.block_size, self.keys)
+        except ProtocolViolation as e:
+            return e.message
 
     async def _note(self, change: Callable[[], object]) -> None:
         async with self._changed:
@@ -157,7 +170,7 @@ class RoundVerification:
         rows = await asyncio.to_thread(row_samples, self.signing, self.group.round_id, randomness,
                                        dict(self.own_rows), self.with_sketch)
         await self._until(lambda: self.rows_done >= others)
-        signed = await asyncio.to_thread(sign_samples, self.signing, rows, self.outputs)
+        signed = sign_samples(self.signing, rows, self.outputs)  # a hash and a signature a chunk: no thread hop
         await self.samples_from(self.me, signed)
         return signed
 
@@ -181,13 +194,12 @@ class RoundVerification:
         needed = {self.group.members[r] for chunk in statement.chunks if not chunk.void for r in chunk.included}
         await self._until(lambda: set(self.unparsed) >= needed)
         problems: dict[str, str] = {}
-        for member in sorted(set(self.unparsed) - set(self.samples)):
-            try:
-                self.samples[member] = parse_samples(self.unparsed[member], member, self.group.round_id,
-                                                     randomness.seed, self.layout, self.config.codec.block_size,
-                                                     self.keys)
-            except ProtocolViolation as e:
-                problems[member] = e.message
+        for member, parsing in sorted(self.parsing.items()):
+            parsed = await parsing
+            if isinstance(parsed, str):
+                problems[member] = parsed
+            else:
+                self.samples.setdefault(member, parsed)
         for stated in self.samples.values():
             self._compare_outputs(stated, span)
         missing = sorted(needed - set(self.samples))
@@ -219,8 +231,8 @@ class RoundVerification:
     def _check(self, statement: Statement, randomness: RoundRandomness) -> Verdict:
         span = statement.span
         start, end = self.spans[span]
-        held = Held(self.rank, self.outputs.get(span, {}), self.result[start:end], self.layout[span],
-                    self.own_rows.get(span), self.own_hashes.get(span, []), self.own_weight)
+        held = Held(self.rank, self.outputs.get(span, {}), self.output_norms.get(span, {}), self.result[start:end],
+                    self.layout[span], self.own_rows.get(span), self.own_hashes.get(span, []), self.own_weight)
         by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
         return span_verdict(statement, by_rank, held, randomness, self.config, is_state_round(self.group.round_id))
 

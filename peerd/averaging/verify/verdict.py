@@ -39,6 +39,7 @@ class Held:
 
     rank: int
     outputs: dict[int, tuple[bytes, bytes, bytes]]  # chunk -> (payload, the reducer's signature, blake3 of it)
+    norms: dict[int, torch.Tensor]  # chunk -> the average's block norms, taken as it came (while in cache)
     averages: torch.Tensor  # the span's decoded averages
     chunks: list[tuple[int, int]]  # the span's chunk bounds
     own: OwnRow | None  # this member's row in the span, if it sent one
@@ -55,6 +56,7 @@ def span_verdict(statement: Statement, samples: dict[int, MemberSamples], held: 
     outs: list[torch.Tensor] = []
     payloads: list[PayloadView] = []
     required: list[int] = []
+    norms: list[torch.Tensor | None] = []
     problem: Verdict | None = None  # the first chunk that fails before its samples are looked at
     for index, chunk in enumerate(statement.chunks):
         if chunk.void:
@@ -86,10 +88,11 @@ def span_verdict(statement: Statement, samples: dict[int, MemberSamples], held: 
         ready.append(index)
         outs.append(held.averages[a:b])
         payloads.append(payload)
+        norms.append(held.norms.get(index))
         own = held.own
         required.append(own.counts[index] if own is not None and mine and index < len(own.counts) else 0)
     try:  # a chunk before the first problem that fails its checks comes first
-        check_chunks(statement, ready, samples, outs, payloads, randomness, config, required)
+        check_chunks(statement, ready, samples, outs, payloads, randomness, config, required, norms)
     except Inconsistent as e:
         return Verdict(False, str(e), e.chunk)
     if problem is not None:
