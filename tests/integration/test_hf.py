@@ -36,8 +36,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def swarm_config(path: Path, options: dict[str, Any], **training: Any) -> Path:
-    """A config of the hf task for local test swarms, written to ``path``."""
+def swarm_config(path: Path, options: dict[str, Any], window: float = 1.0, **training: Any) -> Path:
+    """A config of the hf task for local test swarms, written to ``path`` (``window``: the matchmaking window)."""
     config = {
         "run_name": "peerd-hf-test",
         "swarm": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "record_refresh_period": 2.0, "record_ttl": 8.0},
@@ -45,7 +45,7 @@ def swarm_config(path: Path, options: dict[str, Any], **training: Any) -> Path:
         "training": {"enabled": True, "task": {"name": "hf", "seed": 0, "num_shards": 8, "options": options},
                      "optimizer": "adamw", "lr": 0.01, "target_batch_size": 48, "validation_every": 2,
                      "state_averaging_every": 10, "wait_for_peers": 3, **training},
-        "averaging": {"target_group_size": 4, "min_group_size": 2, "matchmaking_window": 1.0},
+        "averaging": {"target_group_size": 4, "min_group_size": 2, "matchmaking_window": window},
     }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -86,7 +86,10 @@ def test_a_tiny_llama_from_scratch_trains_joins_and_exports(
     extra: dict[str, Any] = {"max_steps": steps, "checkpoint": {"every_steps": 2}}
     if mode == "diloco":
         extra |= {"mode": "diloco", "diloco": {"inner_steps": 6}, "state_averaging_every": 0, "validation_every": 1}
-    config = swarm_config(tmp_path / "hf.yaml", scratch_options(assets), **extra)
+    # sync: every peer in every round, as the check of one shared model below needs (on a loaded machine a trainer
+    # a second behind the others missed a 1 s window and stepped alone)
+    window = 3.0 if mode == "sync" else 1.0
+    config = swarm_config(tmp_path / "hf.yaml", scratch_options(assets), window, **extra)
     swarm = LocalSwarm(config, log_dir=tmp_path)
     swarms.append(swarm)
 

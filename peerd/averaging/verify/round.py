@@ -108,9 +108,10 @@ class RoundVerification:
         await self._note(lambda: self.rows_done.add(span))
 
     async def samples_from(self, member: str, signed: pb.Signed) -> None:
-        if member not in self.unparsed:  # read as it comes, off the event loop, while the others are awaited
-            self.parsing[member] = asyncio.ensure_future(self._parse(member, signed))
-        await self._note(lambda: self.unparsed.setdefault(member, signed))
+        first = self.unparsed.setdefault(member, signed)
+        if member not in self.parsing:  # read as it comes, off the event loop, while the others are awaited
+            self.parsing[member] = asyncio.ensure_future(self._parse(member, first))
+        await self._note(lambda: None)
 
     async def _parse(self, member: str, signed: pb.Signed) -> MemberSamples | str:
         """``member``'s samples, or why they are not samples of this round's rows."""
