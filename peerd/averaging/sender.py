@@ -98,6 +98,7 @@ class SpanExchange:
             if await check_span(self.verification, self.index, self.member, self.chunks, *stream, self.report):
                 self.audit_stream, stream = stream, None  # kept open for `audit`
         except Exception as e:  # noqa: BLE001 - a network boundary: hivemind raises ControlFailure, P2PHandlerError, ...
+            await self.verification.no_statement(self.index)  # the other spans' reveals need not wait for it
             timed_out = isinstance(e, asyncio.TimeoutError)
             self.late = timed_out and stream is None  # kept us waiting for its averages, not for its checks
             reason = (str(e) or "timed out") if timed_out else f"{type(e).__name__}: {e}"

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes
 from peerd.averaging import absences, aggregation, matchmaking
 from peerd.averaging.verify import checks, coefficients, disputes
 from peerd.averaging.verify import verdict as verify_verdict
+from peerd.averaging.verify.round import RoundVerification
 from peerd.bounded import PeerMedians
 from peerd.cli import main
 from peerd.experts.client import directory
@@ -163,6 +164,16 @@ def _no_block_norms() -> None:
     checks.average_too_large = lambda *args: None  # type: ignore[attr-defined]
 
 
+def _reveal_at_once() -> None:
+    """Reveal this member's seed share to each reducer as soon as that reducer's statement is in, whatever the
+    other reducers have committed to (a reducer that drew the seed can tell one still averaging)."""
+
+    async def reveal(self: RoundVerification) -> bytes:
+        return self.share
+
+    RoundVerification.reveal = reveal  # type: ignore[method-assign]
+
+
 def _median_only() -> None:
     """Judge a DHT peer's late answers by its median answer time only, however late it is in a share of them."""
     PeerMedians.mean = lambda self, peer: None  # type: ignore[method-assign]
@@ -200,6 +211,7 @@ DEFENCES: dict[str, Callable[[], None]] = {
     "claims": _believe_claims,
     "spread-check": _no_spread_check,
     "block-norms": _no_block_norms,
+    "reveal-order": _reveal_at_once,
     "absences": _wait_for_everyone,
     "dht-mean": _median_only,
     "dht-admission": _admit_anyone,

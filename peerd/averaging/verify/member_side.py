@@ -32,7 +32,7 @@ async def check_span(v: RoundVerification, span: int, member: str, chunks: list[
     if message.WhichOneof("body") != "statement":
         raise ProtocolViolation(f"{member} sent no statement of its span", peer_id=member)
     await v.statement_from(span, message.statement)
-    report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=v.share))
+    report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(reveal=await v.reveal()))
     report.check_bytes_sent += await write_verify(writer, pb.VerifyMessage(samples=await v.my_samples()))
     # read while the verdict is drawn: the stream stays open until the reducer holds our samples
     confirmed = asyncio.ensure_future(_confirmed(v, span, member, reader, report))

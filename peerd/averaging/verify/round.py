@@ -57,6 +57,8 @@ class RoundVerification:
         self.shares: dict[str, bytes] = {self.me: self.share}
         self.statements: dict[int, Statement] = {}
         self.problems: dict[int, str] = {}  # span -> why it has no usable statement
+        self.stated: set[int] = set()  # spans whose statement this member holds, or never will
+        self.revealed = False  # whether this member's seed share went out to any reducer
         self.own_rows: dict[int, OwnRow] = {}
         self.rows_done: set[int] = set()  # spans whose contribution this member finished sending (or gave up on)
         self.own_hashes: dict[int, list[bytes]] = {}
@@ -91,11 +93,33 @@ class RoundVerification:
     async def statement_from(self, span: int, signed: pb.Signed) -> None:
         start, end = self.spans[span]
         try:
+            if self.revealed:  # its reducer may have learnt the seed before it committed (see reveal)
+                self.problems[span] = "its statement came after this member revealed its seed share"
+                return
             self.statements[span] = parse_statement(signed, self.group, span, end - start, self.chunk_numel,
                                                     self.keys)
         except ProtocolViolation as e:
             self.problems[span] = e.message
             raise
+        finally:
+            await self.no_statement(span)
+
+    async def no_statement(self, span: int) -> None:
+        """Span ``span``'s statement is in this member's hands, or never will be (its exchange ended first)."""
+        await self._note(lambda: self.stated.add(span))
+
+    async def reveal(self) -> bytes:
+        """This member's seed share, once it holds the statement of every other span of the round (or knows it
+        never will, or the verification timeout passed). A share revealed to one reducer as soon as that
+        reducer's statement is in would let it draw the seed while another reducer has yet to commit: told the
+        seed, that one could lie wherever no sample falls. A statement that comes later is not believed."""
+        others = set(range(len(self.spans))) - {self.rank}
+        if not await self._until(lambda: self.stated >= others):
+            logger.warning("Round %s: no statement from the reducers of spans %s within %.0f s; revealing this "
+                           "member's seed share without them", self.group.round_id, sorted(others - self.stated),
+                           self.config.verification.timeout)
+        self.revealed = True
+        return self.share
 
     async def row_sealed(self, span: int, row: OwnRow, hashes: list[bytes]) -> None:
         """This member's contribution to span ``span`` is sent, and sealed with these chunk ``hashes``."""
@@ -127,10 +151,10 @@ class RoundVerification:
             change()
             self._changed.notify_all()
 
-    async def _until(self, ready: Callable[[], bool]) -> bool:
+    async def _until(self, ready: Callable[[], bool], timeouts: int = 1) -> bool:
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(ready), self.config.verification.timeout)
+                await asyncio.wait_for(self._changed.wait_for(ready), timeouts * self.config.verification.timeout)
             except TimeoutError:
                 return ready()
         return True
@@ -151,10 +175,11 @@ class RoundVerification:
         except TimeoutError:
             pass
         expected = set(self.commitments) | {self.me}
-        if not await self._until(lambda: set(self.shares) >= expected):
+        # a member reveals its share once every reducer's statement is in, or after one timeout: two here
+        if not await self._until(lambda: set(self.shares) >= expected, 2):
             logger.warning("Round %s: no seed share from %s within %.0f s; drawing from the others'",
                            self.group.round_id, ", ".join(sorted(expected - set(self.shares))),
-                           self.config.verification.timeout)
+                           2 * self.config.verification.timeout)
         shares = {member: self.shares[member] for member in expected if member in self.shares}
         return RoundRandomness(round_seed(self.group.round_id, shares), self.chunk_numel)
 
