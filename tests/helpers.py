@@ -6,6 +6,7 @@ each other or from conftest.py (which holds only fixtures)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -110,6 +111,18 @@ async def p2p_daemons(n: int, listen: str = LISTEN["tcp"],
     finally:
         for p2p in reversed(started):
             await p2p.shutdown()
+        await _dispatches_ended()
+
+
+async def _dispatches_ended(timeout: float = 10.0) -> None:
+    """Until every inbound stream's dispatch (hivemind's ``ControlClient._handler``, which runs the stream's
+    handler) has seen its daemon go. A dispatch still reading when the test's loop ends is cancelled, and asyncio
+    closes the connection of a client callback that raised but not of one cancelled: the socket would be left
+    for the garbage collector, and the test fail on its ResourceWarning."""
+    pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()
+               and getattr(task.get_coro(), "__qualname__", "") == "ControlClient._handler"]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------- remote experts
