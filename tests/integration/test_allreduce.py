@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import struct
@@ -57,7 +58,12 @@ async def with_peers(
                     for p, (_, signer) in zip(p2ps, identities, strict=True)]
         for reducer in reducers:
             await reducer.start()
-        return await body(p2ps, reducers)
+        try:
+            return await body(p2ps, reducers)
+        finally:  # as a daemon stops: its audits and proof pushes end before its p2pd does
+            for reducer in reducers:
+                with contextlib.suppress(Exception):  # a daemon the test took away answers nothing
+                    await reducer.stop()
 
 
 def weighted_mean(xs: list[torch.Tensor], ws: list[float]) -> torch.Tensor:
