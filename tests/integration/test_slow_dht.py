@@ -30,15 +30,17 @@ ROUNDS = 20
 
 
 def run(log_dir: Path, defended: bool, delay: float = 4.5, share: float = 1.0, undefended: str | None = None,
-        count: int = ROUNDS) -> tuple[float, float | None, int]:
+        count: int = ROUNDS, floor: float | None = None) -> tuple[float, float | None, int]:
     """Two members (with ``undefended``, that defence off: tests/integration/undefended.py) train, and a third
     member joins as a light peer; then the second member's time for ``count`` rounds is taken in alternate windows,
     with the third member answering in time and late (in ``share`` of its answers, by ``delay``), twice each, so
     that the machine's load, which other tests change, weighs on both alike. Returns the seconds the windows took
     in all, in time and late (None: a late window not within 3x its in-time window plus 30 s defended, 2x plus
-    10 s undefended), and the requests the second member cut short."""
+    10 s undefended), and the requests the second member cut short. ``floor``: every peer's
+    ``swarm.dht_wait_floor``."""
     log_dir.mkdir(parents=True, exist_ok=True)
     args = [] if defended else ["-o", "swarm.dht_wait_ratio=null"]
+    args += [] if floor is None else ["-o", f"swarm.dht_wait_floor={floor}"]
     switch = log_dir / "slow"
     with LocalSwarm(SYNTHETIC, log_dir=log_dir, extra_args=args) as swarm:
         honest_peer(swarm, "member0", undefended).wait_ready(90)
@@ -90,11 +92,13 @@ def test_a_member_answering_the_dht_slowly_slows_no_round_for_long(tmp_path: Pat
 
 
 def test_a_member_late_in_some_of_its_answers_is_judged_by_their_mean(tmp_path: Path) -> None:
-    # late in two answers of every five, just under the wait floor: its median answer is fast, so only the mean
-    # of its answers tells that it is slow as a rule (tests/integration/undefended.py ``dht-mean``: median only)
-    baseline, attacked, cut = run(tmp_path / "defended", defended=True, delay=0.9, share=0.4, count=20)
+    # late in two answers of every five, well under the wait floor: its median answer is fast, so only the mean
+    # of its answers tells that it is slow as a rule (tests/integration/undefended.py ``dht-mean``: median only).
+    # The floor is 2 s, not 1 s, so that a loaded machine's answer after 0.9 s is never cut by the floor, which
+    # would skip the member on both sides alike and show no damage without the defence
+    baseline, attacked, cut = run(tmp_path / "defended", defended=True, delay=0.9, share=0.4, count=20, floor=2.0)
     assert attacked is not None and attacked <= 1.5 * baseline + 5, (baseline, attacked)
     assert cut > 0
     median_only, slowed, _ = run(tmp_path / "median-only", defended=True, delay=0.9, share=0.4,
-                                 undefended="dht-mean", count=20)
+                                 undefended="dht-mean", count=20, floor=2.0)
     assert slowed is None or slowed > 2 * median_only, (median_only, slowed)
