@@ -10,7 +10,7 @@ from peerd.proto import peerd_averaging_pb2 as pb
 
 # raised whenever a round message changes meaning or layout, so peers of different versions refuse each other's
 # requests with a reason instead of failing each other's checks
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_WEIGHT = 1e12
 
 
@@ -45,6 +45,8 @@ def check_request(
         return pb.BAD_REQUEST, f"chunks of {request.chunk_numel}, this peer uses {view.chunk_numel}"
     if not (math.isfinite(request.weight) and 0 < request.weight <= MAX_WEIGHT):
         return pb.BAD_REQUEST, f"weight {request.weight} is not finite and in (0, {MAX_WEIGHT:g}]"
-    if len(request.seed_commitment) != 32 or len(request.credentials.signing_key) != 32:
-        return pb.BAD_REQUEST, "no seed commitment or signing key: every contribution is verified"
+    if len(request.seed_commitments) != len(view.group.members) or any(
+            len(c) != 32 for c in request.seed_commitments) or len(request.credentials.signing_key) != 32:
+        return pb.BAD_REQUEST, ("no seed commitment of 32 bytes for each span, or no signing key: every "
+                                "contribution is verified")
     return None

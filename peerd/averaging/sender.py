@@ -175,10 +175,10 @@ class SpanExchange:
         request = pb.ReduceRequest(
             protocol_version=PROTOCOL_VERSION, round_id=self.group.round_id, span_index=self.index,
             span_numel=self.source.numel(), weight=self.weight, chunk_numel=self.config.chunk_numel,
-            credentials=v.signing.credentials, seed_commitment=v.commitment,
+            credentials=v.signing.credentials, seed_commitments=v.commitments_out,
         )
         sent = await write_message(writer, request)
-        checks = pb.ReduceRequest(credentials=request.credentials, seed_commitment=request.seed_commitment).ByteSize()
+        checks = pb.ReduceRequest(credentials=request.credentials, seed_commitments=request.seed_commitments).ByteSize()
         # after the await: the report is shared by the exchanges running at once
         self.report.bytes_sent += sent - checks
         self.report.check_bytes_sent += checks

@@ -32,7 +32,7 @@ class SenderStream:
 
     async def run(self, request: pb.ReduceRequest) -> None:
         r, sender, reader = self.reducer, self.sender, self.reader
-        checks = pb.ReduceRequest(credentials=request.credentials, seed_commitment=request.seed_commitment).ByteSize()
+        checks = pb.ReduceRequest(credentials=request.credentials, seed_commitments=request.seed_commitments).ByteSize()
         r.bytes_received += frame_size(request.ByteSize()) - checks
         r.check_bytes_received += checks
         problem = check_request(r.view, sender, request, set(r.excluded) | r.serving)

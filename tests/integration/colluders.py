@@ -1,12 +1,14 @@
 """Two members gone bad together, for tests only: `python -m tests.integration.colluders start ...` is `peerd
 start ...` with a role, ``PEERD_TEST_COLLUDE`` (the folder ``PEERD_TEST_COLLUDE_DIR`` is shared by both):
 
-- ``leak``: writes the seed of every round into the folder as soon as the shares revealed to it let it draw it;
+- ``leak``: writes the seed of every span of every round into the folder as soon as the shares revealed to it let
+  it draw it;
 - ``lie``: as the reducer of its span in a gradient round, before it averages its last chunk it waits (up to
-  ``PEERD_TEST_COLLUDE_WAIT`` seconds) for its accomplice's seed of that round, then hands back the average
+  ``PEERD_TEST_COLLUDE_WAIT`` seconds) for its accomplice's seed of that span, then hands back the average
   negated wherever none of that seed's samples falls (everywhere, if no seed came), coded and signed like an
   honest average. The values at the samples are the true average's, and so are its magnitudes, envelope and
-  block norms: told the seed before it commits, it passes every check but an audit.
+  block norms: told the seed before it commits, it passes every check but an audit. Its own share of its span
+  goes out at once (it has no reason to wait for its own statement).
 
 Both run the honest code everywhere else, and answer a challenge with the rows, as the protocol asks.
 """
@@ -37,32 +39,37 @@ logger = logging.getLogger(__name__)
 
 _honest_draw = RoundVerification._draw
 _honest_share = RoundVerification.reveal_from
+_honest_reveal = RoundVerification._reveal
 _honest_finalize = SpanReducer._finalize
 _honest_average = SpanReducer._average_chunk
 _honest_code = reducer.code_average
 _FLIP: list[torch.Tensor | None] = [None]  # the elements of the chunk being averaged that the lie negates
 
 
-def _seed_file(round_id: str) -> Path:
-    return SHARED / hashlib.sha256(round_id.encode()).hexdigest()
+def _seed_file(round_id: str, span: int) -> Path:
+    return SHARED / hashlib.sha256(f"{round_id}/{span}".encode()).hexdigest()
 
 
-async def _leaking_draw(self: RoundVerification) -> RoundRandomness:
-    randomness = await _honest_draw(self)
-    target = _seed_file(self.group.round_id)
+async def _leaking_draw(self: RoundVerification, span: int) -> RoundRandomness:
+    randomness = await _honest_draw(self, span)
+    target = _seed_file(self.group.round_id, span)
     target.with_suffix(".part").write_bytes(randomness.seed)
     target.with_suffix(".part").replace(target)  # whole or not at all: the accomplice reads it at once
     return randomness
 
 
-async def _eager_share(self: RoundVerification, member: str, share: bytes) -> None:
-    await _honest_share(self, member, share)
-    self.randomness()  # drawn once every share is in, not when this member's own checks get to it
+async def _eager_share(self: RoundVerification, member: str, span: int, share: bytes) -> None:
+    await _honest_share(self, member, span, share)
+    self.randomness(span)  # drawn once every share is in, not when this member's own checks get to it
+
+
+async def _own_share_at_once(self: RoundVerification, span: int) -> bytes:
+    return self.own_shares[span] if span == self.rank else await _honest_reveal(self, span)
 
 
 async def _waiting_finalize(self: SpanReducer, index: int) -> None:
     if index == len(self.chunks) - 1 and not self.codec_config.lossless:
-        seed = _seed_file(self.group.round_id)
+        seed = _seed_file(self.group.round_id, self.rank)
         deadline = time.monotonic() + WAIT
         while not seed.exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # the accomplice's file: nothing to wait on but the folder
@@ -99,6 +106,7 @@ if ROLE == "leak":
     RoundVerification._draw = _leaking_draw  # type: ignore[method-assign]
     RoundVerification.reveal_from = _eager_share  # type: ignore[method-assign]
 elif ROLE == "lie":
+    RoundVerification._reveal = _own_share_at_once  # type: ignore[method-assign]
     SpanReducer._finalize = _waiting_finalize  # type: ignore[method-assign]
     SpanReducer._average_chunk = _lying_average  # type: ignore[method-assign]
     reducer.code_average = _lying_code  # type: ignore[assignment]

@@ -285,7 +285,7 @@ def test_bad_contributions_are_excluded_and_named(fault: str, transport: str) ->
                 await write_message(writer, pb.ReduceRequest(
                     protocol_version=PROTOCOL_VERSION, round_id="t4", span_index=index, span_numel=span_numel,
                     weight=weight, chunk_numel=CONFIG.chunk_numel, credentials=evil_key.credentials,
-                    seed_commitment=commitment(new_share())))
+                    seed_commitments=[commitment(new_share()) for _ in members]))
                 await write_frame(writer, payload)  # the span is smaller than one chunk
                 response = await read_message(reader, pb.ReduceResponse, target)
                 return response.code, response.included

@@ -1,11 +1,11 @@
 """Two members gone bad together, with real processes (tests/integration/colluders.py): one writes down the
-seed of every round as soon as it can draw it, the other, the reducer of a span, waits for that seed before it
-averages its span's last chunk and hands back the average negated wherever no sample of the seed falls. With
-each member revealing its seed share to a reducer as soon as that reducer's statement is in
-(`undefended.py reveal-order`), the first can draw the seed while the second has yet to commit, every check
-passes, and the honest members train the wrong way on that span. Revealing only once every reducer's statement
-is in, the seed comes too late to help: the lie fails the samples, its reducer is excluded on proof by every
-honest member, and their validation loss ends within 10% of an attack-free run's.
+seed of every span as soon as it can draw it, the other, the reducer of a span, waits for its span's seed before
+it averages the span's last chunk and hands back the average negated wherever no sample of the seed falls. With
+each member revealing its seed share of every span as soon as its checks begin (`undefended.py reveal-order`),
+the first can draw the second's seed while the second has yet to commit, every check passes, and the honest
+members train the wrong way on that span. Revealing a span's share only once that span's statement is in, the
+seed comes too late to help: the lie fails the samples, its reducer is excluded on proof by every honest
+member, and their validation loss ends within 10% of an attack-free run's.
 
 The synthetic task with 2,048 inputs (so a span of a quarter of them is not sampled everywhere), 4 peers, audits
 off in every run: the defence shown here is the order of the reveals, not a lucky audit.
@@ -76,14 +76,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[float]:
 
 
 @pytest.mark.timeout(900)  # the reference (its setup) and two runs, each up to 300 s
-def test_reducers_sharing_the_seed_are_caught_once_shares_wait_for_every_statement(
+def test_reducers_sharing_a_seed_are_caught_once_a_spans_shares_wait_for_its_statement(
         reference: float, tmp_path: Path) -> None:
     undefended, _ = train(tmp_path / "undefended", "reveal-order", colluding=True)
     defended, ids = train(tmp_path / "defended", None, colluding=True)
     wrecked = [validation_loss(r) for r in undefended]
     kept = [validation_loss(r) for r in defended]
     print(f"validation loss at step {STEPS}: attack-free {reference:.6g}, colluders with shares revealed at once "
-          f"{wrecked}, with shares revealed once every statement is in {kept}")
+          f"{wrecked}, with a span's shares revealed once its statement is in {kept}")
     # undefended: every check passed, nobody was excluded, and the model went the wrong way on the liar's span
     assert all(r["banned_peers"] == {} for r in undefended), [r["banned_peers"] for r in undefended]
     assert all(loss is None or loss > (1 + TOLERANCE) * reference for loss in wrecked), (reference, wrecked)

@@ -165,13 +165,14 @@ def _no_block_norms() -> None:
 
 
 def _reveal_at_once() -> None:
-    """Reveal this member's seed share to each reducer as soon as that reducer's statement is in, whatever the
-    other reducers have committed to (a reducer that drew the seed can tell one still averaging)."""
+    """Reveal this member's seed share of every span as soon as its checks begin, whatever that span's reducer
+    has committed to (a reducer done first that drew another span's seed can tell that span's reducer, still
+    averaging)."""
 
-    async def reveal(self: RoundVerification) -> bytes:
-        return self.share
+    async def reveal(self: RoundVerification, span: int) -> bytes:
+        return self.own_shares[span]
 
-    RoundVerification.reveal = reveal  # type: ignore[method-assign]
+    RoundVerification._reveal = reveal  # type: ignore[method-assign]
 
 
 def _median_only() -> None:

@@ -1,7 +1,7 @@
-"""When a member reveals its seed share (peerd/averaging/verify/round.py ``reveal``): only once it holds the
-statement of every other span of the round, or knows it never will, so no reducer can draw the seed while another
-has yet to commit; a statement that comes after is not believed. And why that matters: told the seed before it
-commits, a reducer's average negated wherever no sample falls passes every check."""
+"""When a member reveals its seed share of a span (peerd/averaging/verify/round.py ``reveal``): only once it holds
+that span's statement, or knows it never will, so nobody can draw a span's seed before its reducer committed; a
+statement that comes after is not believed. And why that matters: told the seed before it commits, a reducer's
+average negated wherever no sample falls passes every check."""
 
 from __future__ import annotations
 
@@ -39,32 +39,56 @@ async def settle_loop() -> None:
         await asyncio.sleep(0)
 
 
-def test_a_member_reveals_its_share_only_once_every_other_statement_is_in_or_never_will_be() -> None:
+def test_a_member_reveals_its_share_of_a_span_only_once_that_spans_statement_is_in_or_never_will_be() -> None:
     async def body() -> None:
         v = member()
-        revealing = asyncio.ensure_future(v.reveal())
+        revealing = {span: asyncio.ensure_future(v.reveal(span)) for span in range(3)}
         await settle_loop()
-        assert not revealing.done()  # no statement yet
+        assert not any(r.done() for r in revealing.values())  # no statement yet, not even its own span's
         await v.no_statement(2)  # span 2's exchange ended without one
         await settle_loop()
-        assert not revealing.done()  # span 1's reducer has yet to commit
+        assert revealing[2].done() and not revealing[1].done()  # span 1's reducer has yet to commit
+        assert await revealing[2] == v.own_shares[2] and v.revealed == {2}
         with pytest.raises(ProtocolViolation, match="statement of"):
             await v.statement_from(1, pb.Signed())  # a statement in hand, however it reads (this one does not)
-        assert await asyncio.wait_for(revealing, 5) == v.share
-        assert v.revealed
+        assert await asyncio.wait_for(revealing[1], 5) == v.own_shares[1]
+        assert not revealing[0].done()  # its own span's statement is not signed yet
+        await v.no_statement(0)
+        assert await asyncio.wait_for(revealing[0], 5) == v.own_shares[0]
+        assert len(set(v.own_shares)) == 3 and v.revealed == {0, 1, 2}
 
     asyncio.run(body())
 
 
-def test_a_statement_after_the_reveal_is_not_believed() -> None:
+def test_a_statement_after_the_reveal_of_its_span_is_not_believed() -> None:
     async def body() -> None:
         v = member()
         await v.no_statement(1)
-        await v.no_statement(2)
-        assert await asyncio.wait_for(v.reveal(), 5) == v.share
+        assert await asyncio.wait_for(v.reveal(1), 5) == v.own_shares[1]
         await v.statement_from(1, pb.Signed())  # refused before it is read
         assert 1 not in v.statements
-        assert "after this member revealed its seed share" in v.problems[1]
+        assert "after this member revealed its seed share of the span" in v.problems[1]
+        with pytest.raises(ProtocolViolation):  # span 2's share is not out: its statement is read
+            await v.statement_from(2, pb.Signed())
+        assert 2 not in v.revealed and "after this member revealed" not in v.problems[2]
+
+    asyncio.run(body())
+
+
+def test_a_share_must_match_the_commitment_for_its_span() -> None:
+    async def body() -> None:
+        v, other = member(), member()
+        request = pb.ReduceRequest(seed_commitments=other.commitments_out)
+        v.note_request("b", request)
+        await v.reveal_from("b", 1, other.own_shares[1])
+        assert v.shares[1]["b"] == other.own_shares[1]
+        with pytest.raises(ProtocolViolation, match="span 2"):
+            await v.reveal_from("b", 2, other.own_shares[1])  # span 1's share offered as span 2's
+        with pytest.raises(ProtocolViolation, match="span 5"):
+            await v.reveal_from("b", 5, other.own_shares[1])
+        with pytest.raises(ProtocolViolation):
+            await v.reveal_from("c", 0, other.own_shares[0])  # committed to nothing here
+        assert "b" not in v.shares[2] and "c" not in v.shares[0]
 
     asyncio.run(body())
 

@@ -134,16 +134,20 @@ def test_requests_are_checked_against_the_reducers_view() -> None:
     async def body() -> None:
         reducer = make_reducer(torch.zeros(3000), torch.empty(3000))
         good = pb.ReduceRequest(protocol_version=PROTOCOL_VERSION, round_id="round", span_index=0, span_numel=3000,
-                                weight=1.0, chunk_numel=1024, seed_commitment=bytes(32),
+                                weight=1.0, chunk_numel=1024, seed_commitments=[bytes(32)] * 2,
                                 credentials=pb.Credentials(signing_key=bytes(32)))
         assert check_request(reducer.view, OTHER, good, set()) is None
         assert check_request(reducer.view, "12D3KooWStranger", good, set())[0] == pb.NOT_A_MEMBER
         for field, value in [("protocol_version", 99), ("span_index", 1), ("span_numel", 3001),
                              ("chunk_numel", 2048), ("weight", math.inf), ("weight", 0.0),
-                             ("seed_commitment", b"")]:
+                             ("seed_commitments", [bytes(32)]), ("seed_commitments", [bytes(32), b""])]:
             bad = pb.ReduceRequest()
             bad.CopyFrom(good)
-            setattr(bad, field, value)
+            if field == "seed_commitments":  # one a span, of 32 bytes each
+                del bad.seed_commitments[:]
+                bad.seed_commitments.extend(value)
+            else:
+                setattr(bad, field, value)
             code, reason = check_request(reducer.view, OTHER, bad, set())
             assert code == pb.BAD_REQUEST and reason, field
         assert check_request(reducer.view, OTHER, good, {OTHER})[0] == pb.DUPLICATE

@@ -23,7 +23,7 @@ from peerd.averaging.verify.proofs import (
     false_samples,
     read_statement,
 )
-from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness, commitment, round_seed
+from peerd.averaging.verify.randomness import SKETCH_SIZE, RoundRandomness, commitment, span_seed
 from peerd.averaging.verify.sketches import SKETCH_HIGH, SKETCH_LOW
 from peerd.config import CodecConfig, VerificationConfig
 from peerd.errors import ProtocolViolation
@@ -172,11 +172,12 @@ def test_two_signed_averages_of_one_chunk_convict_the_reducer() -> None:
     assert check_proof(forged.proof, third, group, [], span.config, KeyBook()) is None
 
 
-def test_the_seed_needs_every_share_and_no_order() -> None:
+def test_a_spans_seed_needs_every_share_and_no_order() -> None:
     shares = {"b": bytes([2]) * 32, "a": bytes([1]) * 32}
-    assert round_seed("r", shares) == round_seed("r", dict(reversed(list(shares.items()))))
-    assert round_seed("r", shares) != round_seed("r", {**shares, "a": bytes(32)})
-    assert round_seed("r", shares) != round_seed("s", shares)
+    assert span_seed("r", 0, shares) == span_seed("r", 0, dict(reversed(list(shares.items()))))
+    assert span_seed("r", 0, shares) != span_seed("r", 0, {**shares, "a": bytes(32)})
+    assert span_seed("r", 0, shares) != span_seed("s", 0, shares)
+    assert span_seed("r", 0, shares) != span_seed("r", 1, shares)
     assert commitment(shares["a"]) != commitment(shares["b"])
 
 

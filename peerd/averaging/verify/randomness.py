@@ -1,11 +1,14 @@
-"""The round's verification seed and what it draws: sampled coordinates and sketch directions.
+"""A span's verification seed and what it draws: sampled coordinates and sketch directions.
 
-Each member commits to a random share (blake3 of it, in its ReduceRequest) before any reducer has seen a
-contribution, and reveals it to a reducer only once it holds that reducer's signed statement. The seed is
-blake3 over every member's share, so it is fixed after every reducer committed to its averages, and no reducer
-(nor anyone short of every member together) can choose it.
+Each member draws a random share for every span of the round and commits to them (blake3 of each, in its
+ReduceRequests) before any reducer has seen a contribution; it reveals its share of a span only once it holds
+that span's signed statement. A span's seed is blake3 over every member's share of it, so it is fixed after that
+span's reducer committed to its averages, and no reducer (nor anyone short of every member together) can choose
+or learn it earlier: a reducer done first learns only its own span's seed, which tells it nothing of another's.
+One seed per span, not one per round, lets each span's checks run as soon as its statement is out, while the
+other spans are still averaged.
 
-From the seed, per span and chunk: ``SAMPLES`` coordinates where every member reveals its row (a reducer's
+From a span's seed, per chunk: ``SAMPLES`` coordinates where every member reveals its row (a reducer's
 average is checked exactly there), and a sketch of ``SKETCH_SIZE`` random +-1 projections that preserves the
 distances and norms of rows (the robust rules' checks). The sketch direction of projection ``i`` at element
 ``(b, p)`` of the chunk seen as rows of ``SKETCH_WIDTH`` is ``e[b, i] * s[p, i]``: ``e`` fresh per chunk, ``s``
@@ -24,7 +27,7 @@ import torch
 
 from peerd.averaging.verify.keys import digest, u64
 
-__all__ = ["SAMPLES", "SKETCH_SIZE", "SKETCH_WIDTH", "RoundRandomness", "commitment", "new_share", "round_seed"]
+__all__ = ["SAMPLES", "SKETCH_SIZE", "SKETCH_WIDTH", "RoundRandomness", "commitment", "new_share", "span_seed"]
 
 SHARE_BYTES = 32
 # Coordinates per chunk. The spread check tells a lie from chance only when several samples land in it: a lie on
@@ -45,9 +48,10 @@ def commitment(share: bytes) -> bytes:
     return digest(_SHARE, share)
 
 
-def round_seed(round_id: str, shares: dict[str, bytes]) -> bytes:
-    """The seed of round ``round_id`` from every member's share (member id -> share)."""
-    return digest(_SEED, round_id, *(part for member in sorted(shares) for part in (member, shares[member])))
+def span_seed(round_id: str, span: int, shares: dict[str, bytes]) -> bytes:
+    """The seed of span ``span`` of round ``round_id`` from every member's share of it (member id -> share)."""
+    return digest(_SEED, round_id, u64(span),
+                  *(part for member in sorted(shares) for part in (member, shares[member])))
 
 
 def _stream(seed: bytes, nbytes: int, *context: bytes | str) -> bytes:

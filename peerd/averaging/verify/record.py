@@ -148,19 +148,25 @@ class SpanRecord:
             statement.chunks.append(record)
             if record.void:
                 self.v.own_void.append(index)
-        return sign_statement(self.v.signing, statement)
+        signed = sign_statement(self.v.signing, statement)
+        await self.v.no_statement(self.rank)  # signed: this member's share of its own span may go out
+        return signed
 
     async def serve(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A sender's verification messages after its seal: its seed share, its samples, at most one challenge."""
+        """A sender's verification messages after its seal: its seed share and its samples of each span, then at
+        most one challenge."""
         wait = 3 * self.v.config.verification.timeout  # a challenge follows the sender's own checks
+        spans, shares, samples = len(self.group.members), set(), 0
         while True:
             message = await read_verify_or_eof(reader, sender, wait)
             kind = None if message is None else message.WhichOneof("body")
             if message is None:
                 return
-            if kind == "reveal":
-                await self.v.reveal_from(sender, bytes(message.reveal))
-            elif kind == "samples":
+            if kind == "share" and message.share.span_index < spans and message.share.span_index not in shares:
+                shares.add(message.share.span_index)
+                await self.v.reveal_from(sender, message.share.span_index, bytes(message.share.share))
+            elif kind == "samples" and samples < spans:
+                samples += 1
                 await self.v.samples_from(sender, message.samples)
                 # the sender waits for this before it closes: closing right after its samples could drop them
                 await write_verify(writer, pb.VerifyMessage(received=True))
@@ -168,7 +174,8 @@ class SpanRecord:
                 await self._answer(sender, message.challenge, writer)
                 return
             else:
-                raise ProtocolViolation(f"{sender} sent an unexpected {kind} message", peer_id=sender)
+                raise ProtocolViolation(f"{sender} sent an unexpected {kind} message (or one too many)",
+                                        peer_id=sender)
 
     async def _answer(self, sender: str, index: int, writer: asyncio.StreamWriter) -> None:
         rows = None

@@ -1,6 +1,11 @@
-"""One round's verification at one member: its seed share, what it gathers (statements from reducers on its own
+"""One round's verification at one member: its seed shares, what it gathers (statements from reducers on its own
 streams, seed shares and samples from members on the streams they opened to it), its verdict on every span it
 received, and what it keeps of its own rows for its samples.
+
+Everything after the data phase goes span by span: a member reveals its share of a span once it holds that
+span's statement, draws the span's seed once every member's share of it is in, and sends its samples of its row
+in that span then; a span is judged once every included member's samples of it are in. So the first spans'
+checks run while the last ones are still averaged, and the round's end waits only for the last span's.
 
 A span is applied only if its statement and every included member's samples check out (checks.py); a chunk a
 statement marks void is applied by nobody. Everything else keeps this member's own values, as a span whose
@@ -16,13 +21,13 @@ import time
 from collections.abc import Awaitable, Callable
 
 import torch
+from google.protobuf.message import DecodeError
 
 from peerd.averaging.group import Group, is_state_round
 from peerd.averaging.layout import chunk_bounds
-from peerd.averaging.verify.disputes import judge_chunk, output_signed
 from peerd.averaging.verify.keys import KeyBook, SigningKey
-from peerd.averaging.verify.proofs import Evidence, bad_reduction, equivocation, false_samples, two_averages
-from peerd.averaging.verify.randomness import RoundRandomness, commitment, new_share, round_seed
+from peerd.averaging.verify.proofs import Evidence, equivocation, two_averages
+from peerd.averaging.verify.randomness import RoundRandomness, commitment, new_share, span_seed
 from peerd.averaging.verify.samples import MemberSamples, OwnRow, parse_samples, row_samples, sign_samples
 from peerd.averaging.verify.statement import Statement, parse_statement
 from peerd.averaging.verify.verdict import Held, Verdict, span_verdict
@@ -51,14 +56,14 @@ class RoundVerification:
         self.me = group.members[rank]
         self.spans, self.chunk_numel = spans, chunk_numel
         self.layout = {s: chunk_bounds(end - start, chunk_numel) for s, (start, end) in enumerate(spans)}
-        self.share = new_share()
-        self.commitment = commitment(self.share)
-        self.commitments: dict[str, bytes] = {}  # first-hand, from the members' requests to this peer
-        self.shares: dict[str, bytes] = {self.me: self.share}
+        self.own_shares = [new_share() for _ in spans]  # one a span
+        self.commitments_out = [commitment(share) for share in self.own_shares]
+        self.commitments: dict[str, list[bytes]] = {}  # first-hand, from the members' requests to this peer
+        self.shares: dict[int, dict[str, bytes]] = {s: {self.me: share} for s, share in enumerate(self.own_shares)}
         self.statements: dict[int, Statement] = {}
         self.problems: dict[int, str] = {}  # span -> why it has no usable statement
         self.stated: set[int] = set()  # spans whose statement this member holds, or never will
-        self.revealed = False  # whether this member's seed share went out to any reducer
+        self.revealed: set[int] = set()  # spans whose seed share this member sent out
         self.own_rows: dict[int, OwnRow] = {}
         self.rows_done: set[int] = set()  # spans whose contribution this member finished sending (or gave up on)
         self.own_hashes: dict[int, list[bytes]] = {}
@@ -66,35 +71,39 @@ class RoundVerification:
         # span -> chunk -> (payload, the reducer's signature, blake3 of the payload)
         self.outputs: dict[int, dict[int, tuple[bytes, bytes, bytes]]] = {}
         self.output_norms: dict[int, dict[int, torch.Tensor]] = {}  # span -> chunk -> block norms, as it came
-        self.samples: dict[str, MemberSamples] = {}
-        self.unparsed: dict[str, pb.Signed] = {}
-        self.parsing: dict[str, asyncio.Future[MemberSamples | str]] = {}
+        self.samples: dict[int, dict[str, MemberSamples]] = {}  # span -> member -> its samples there, parsed
+        self.unparsed: dict[tuple[str, int], pb.Signed] = {}  # (member, span) -> its samples there, as they came
+        self.parsing: dict[tuple[str, int], asyncio.Future[MemberSamples | str]] = {}
         self.with_sketch = config.aggregation != "mean"  # robust rules: distances, norms and copies
         self.verdicts: dict[int, Verdict] = {}
         self.own_void: list[int] = []
         # set once this member's own span is averaged: every member that will contribute has sent its request
-        # (and commitment) by then, so the set of shares the seed needs is final
+        # (and commitments) by then, so the set of shares each seed needs is final
         self.settled = asyncio.Event()
         self._changed = asyncio.Condition()
-        self._randomness: asyncio.Future[RoundRandomness] | None = None
-        self._mine: asyncio.Future[pb.Signed] | None = None
+        self._reveals: dict[int, asyncio.Future[bytes]] = {}
+        self._randomness: dict[int, asyncio.Future[RoundRandomness]] = {}
+        self._mine: dict[int, asyncio.Future[pb.Signed | None]] = {}
 
     # --- gathering ----------------------------------------------------------------------------------------------
 
     def note_request(self, member: str, request: pb.ReduceRequest) -> None:
-        if len(request.seed_commitment) == 32:
-            self.commitments.setdefault(member, bytes(request.seed_commitment))
+        commitments = [bytes(c) for c in request.seed_commitments]
+        if len(commitments) == len(self.spans) and all(len(c) == 32 for c in commitments):
+            self.commitments.setdefault(member, commitments)
 
-    async def reveal_from(self, member: str, share: bytes) -> None:
-        if self.commitments.get(member) != commitment(share):
-            raise ProtocolViolation(f"{member}'s seed share does not match its commitment", peer_id=member)
-        await self._note(lambda: self.shares.setdefault(member, share))
+    async def reveal_from(self, member: str, span: int, share: bytes) -> None:
+        committed = self.commitments.get(member)
+        if committed is None or span >= len(committed) or committed[span] != commitment(share):
+            raise ProtocolViolation(f"{member}'s seed share of span {span} does not match its commitment",
+                                    peer_id=member)
+        await self._note(lambda: self.shares[span].setdefault(member, share))
 
     async def statement_from(self, span: int, signed: pb.Signed) -> None:
         start, end = self.spans[span]
         try:
-            if self.revealed:  # its reducer may have learnt the seed before it committed (see reveal)
-                self.problems[span] = "its statement came after this member revealed its seed share"
+            if span in self.revealed:  # its reducer may have learnt its seed before it committed (see reveal)
+                self.problems[span] = "its statement came after this member revealed its seed share of the span"
                 return
             self.statements[span] = parse_statement(signed, self.group, span, end - start, self.chunk_numel,
                                                     self.keys)
@@ -105,21 +114,26 @@ class RoundVerification:
             await self.no_statement(span)
 
     async def no_statement(self, span: int) -> None:
-        """Span ``span``'s statement is in this member's hands, or never will be (its exchange ended first)."""
+        """Span ``span``'s statement is in this member's hands (its own span's: signed), or never will be (its
+        exchange ended first)."""
         await self._note(lambda: self.stated.add(span))
 
-    async def reveal(self) -> bytes:
-        """This member's seed share, once it holds the statement of every other span of the round (or knows it
-        never will, or the verification timeout passed). A share revealed to one reducer as soon as that
-        reducer's statement is in would let it draw the seed while another reducer has yet to commit: told the
-        seed, that one could lie wherever no sample falls. A statement that comes later is not believed."""
-        others = set(range(len(self.spans))) - {self.rank}
-        if not await self._until(lambda: self.stated >= others):
-            logger.warning("Round %s: no statement from the reducers of spans %s within %.0f s; revealing this "
-                           "member's seed share without them", self.group.round_id, sorted(others - self.stated),
+    def reveal(self, span: int) -> Awaitable[bytes]:
+        """This member's seed share of span ``span``, once it holds that span's statement (or knows it never
+        will, or the verification timeout passed). Revealed before, the share could let the span's reducer (or
+        one it colludes with, done first) draw the span's seed before it commits: told the seed, it could lie
+        wherever no sample falls. A statement that comes later is not believed."""
+        if span not in self._reveals:
+            self._reveals[span] = asyncio.ensure_future(self._reveal(span))
+        return asyncio.shield(self._reveals[span])
+
+    async def _reveal(self, span: int) -> bytes:
+        if not await self._until(lambda: span in self.stated):
+            logger.warning("Round %s: no statement of span %d from %s within %.0f s; revealing this member's seed "
+                           "share of it without one", self.group.round_id, span, self.group.members[span],
                            self.config.verification.timeout)
-        self.revealed = True
-        return self.share
+        self.revealed.add(span)
+        return self.own_shares[span]
 
     async def row_sealed(self, span: int, row: OwnRow, hashes: list[bytes]) -> None:
         """This member's contribution to span ``span`` is sent, and sealed with these chunk ``hashes``."""
@@ -132,17 +146,26 @@ class RoundVerification:
         await self._note(lambda: self.rows_done.add(span))
 
     async def samples_from(self, member: str, signed: pb.Signed) -> None:
-        first = self.unparsed.setdefault(member, signed)
-        if member not in self.parsing:  # read as it comes, off the event loop, while the others are awaited
-            self.parsing[member] = asyncio.ensure_future(self._parse(member, first))
+        """``member``'s samples of one span (which the message names); read once that span's seed is drawn."""
+        try:
+            spans = pb.MemberSamples.FromString(signed.body).spans
+        except DecodeError as e:
+            raise ProtocolViolation(f"{member} sent samples that do not parse: {e}", peer_id=member) from e
+        if len(spans) != 1 or spans[0].span_index >= len(self.spans):
+            raise ProtocolViolation(f"{member} sent samples of {len(spans)} spans, not of one span of the round",
+                                    peer_id=member)
+        key = (member, spans[0].span_index)
+        first = self.unparsed.setdefault(key, signed)
+        if key not in self.parsing:  # read as it comes, off the event loop, while the others are awaited
+            self.parsing[key] = asyncio.ensure_future(self._parse(member, key[1], first))
         await self._note(lambda: None)
 
-    async def _parse(self, member: str, signed: pb.Signed) -> MemberSamples | str:
-        """``member``'s samples, or why they are not samples of this round's rows."""
-        seed = (await self.randomness()).seed
+    async def _parse(self, member: str, span: int, signed: pb.Signed) -> MemberSamples | str:
+        """``member``'s samples of span ``span``, or why they are not samples of this round's row there."""
+        seed = (await self.randomness(span)).seed
         try:
-            return await asyncio.to_thread(parse_samples, signed, member, self.group.round_id, seed, self.layout,
-                                           self.config.codec.block_size, self.keys)
+            return await asyncio.to_thread(parse_samples, signed, member, self.group.round_id, seed,
+                                           {span: self.layout[span]}, self.config.codec.block_size, self.keys)
         except ProtocolViolation as e:
             return e.message
 
@@ -159,43 +182,46 @@ class RoundVerification:
                 return ready()
         return True
 
-    # --- the seed and this member's samples --------------------------------------------------------------------
+    # --- the seeds and this member's samples -------------------------------------------------------------------
 
-    def randomness(self) -> Awaitable[RoundRandomness]:
-        if self._randomness is None:
-            self._randomness = asyncio.ensure_future(self._draw())
-        return self._randomness
+    def randomness(self, span: int) -> Awaitable[RoundRandomness]:
+        if span not in self._randomness:
+            self._randomness[span] = asyncio.ensure_future(self._draw(span))
+        return asyncio.shield(self._randomness[span])
 
-    async def _draw(self) -> RoundRandomness:
-        """The seed from the shares of every member that committed to one in a request to this peer (a member
-        that never reached it is in no average here); after the timeout, from the shares revealed so far: a
-        member that commits and never reveals delays the round's checks, it cannot stop them."""
+    async def _draw(self, span: int) -> RoundRandomness:
+        """Span ``span``'s seed from the shares of every member that committed to them in a request to this peer (a
+        member that never reached it is in no average here); after the timeout, from the shares revealed so far:
+        a member that commits and never reveals delays the span's checks, it cannot stop them."""
         try:
             await asyncio.wait_for(self.settled.wait(), self.config.round_timeout + self.config.verification.timeout)
         except TimeoutError:
             pass
         expected = set(self.commitments) | {self.me}
-        # a member reveals its share once every reducer's statement is in, or after one timeout: two here
-        if not await self._until(lambda: set(self.shares) >= expected, 2):
-            logger.warning("Round %s: no seed share from %s within %.0f s; drawing from the others'",
-                           self.group.round_id, ", ".join(sorted(expected - set(self.shares))),
+        # a member reveals its share once it holds the span's statement, or after one timeout: two here
+        if not await self._until(lambda: set(self.shares[span]) >= expected, 2):
+            logger.warning("Round %s: no seed share of span %d from %s within %.0f s; drawing from the others'",
+                           self.group.round_id, span, ", ".join(sorted(expected - set(self.shares[span]))),
                            2 * self.config.verification.timeout)
-        shares = {member: self.shares[member] for member in expected if member in self.shares}
-        return RoundRandomness(round_seed(self.group.round_id, shares), self.chunk_numel)
+        shares = {member: self.shares[span][member] for member in expected if member in self.shares[span]}
+        return RoundRandomness(span_seed(self.group.round_id, span, shares), self.chunk_numel)
 
-    def my_samples(self) -> Awaitable[pb.Signed]:
-        if self._mine is None:
-            self._mine = asyncio.ensure_future(self._build_mine())
-        return self._mine
+    def my_samples(self, span: int) -> Awaitable[pb.Signed | None]:
+        """This member's signed samples of its row in span ``span`` (None: it has no row there)."""
+        if span not in self._mine:
+            self._mine[span] = asyncio.ensure_future(self._build_mine(span))
+        return asyncio.shield(self._mine[span])
 
-    async def _build_mine(self) -> pb.Signed:
-        randomness = await self.randomness()
-        others = set(range(len(self.spans))) - {self.rank}
-        # each row is sealed once its last chunk is out, before the last averages are in: project them meanwhile
-        await self._until(lambda: all(span in self.own_rows or span in self.rows_done for span in others))
+    async def _build_mine(self, span: int) -> pb.Signed | None:
+        randomness = await self.randomness(span)  # after settled: this member's own row is in own_rows by then
+        if span != self.rank:  # a row is sealed once its last chunk is out, before its averages are in
+            await self._until(lambda: span in self.own_rows or span in self.rows_done)
+        if span not in self.own_rows:
+            return None
         rows = await asyncio.to_thread(row_samples, self.signing, self.group.round_id, randomness,
-                                       dict(self.own_rows), self.with_sketch)
-        await self._until(lambda: self.rows_done >= others)
+                                       {span: self.own_rows[span]}, self.with_sketch)
+        if span != self.rank:
+            await self._until(lambda: span in self.rows_done)
         signed = sign_samples(self.signing, rows, self.outputs)  # a hash and a signature a chunk: no thread hop
         await self.samples_from(self.me, signed)
         return signed
@@ -215,20 +241,23 @@ class RoundVerification:
         statement = self.statements.get(span)
         if statement is None:
             return Verdict(False, self.problems.get(span, "no statement from its reducer"))
-        randomness = await self.randomness()
-        await self.my_samples()
+        randomness = await self.randomness(span)
+        await self.my_samples(span)
         needed = {self.group.members[r] for chunk in statement.chunks if not chunk.void for r in chunk.included}
-        await self._until(lambda: set(self.unparsed) >= needed)
+        await self._until(lambda: {m for m, s in self.unparsed if s == span} >= needed)
         problems: dict[str, str] = {}
-        for member, parsing in sorted(self.parsing.items()):
+        held = self.samples.setdefault(span, {})
+        for (member, of), parsing in sorted(self.parsing.items()):
+            if of != span:
+                continue
             parsed = await parsing
             if isinstance(parsed, str):
                 problems[member] = parsed
             else:
-                self.samples.setdefault(member, parsed)
-        for stated in self.samples.values():
+                held.setdefault(member, parsed)
+        for stated in held.values():
             self._compare_outputs(stated, span)
-        missing = sorted(needed - set(self.samples))
+        missing = sorted(needed - set(held))
         if missing:
             return Verdict(False, "; ".join(problems.get(m, f"no samples from {m}") for m in missing))
         started = time.monotonic()
@@ -259,31 +288,5 @@ class RoundVerification:
         start, end = self.spans[span]
         held = Held(self.rank, self.outputs.get(span, {}), self.output_norms.get(span, {}), self.result[start:end],
                     self.layout[span], self.own_rows.get(span), self.own_hashes.get(span, []), self.own_weight)
-        by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
+        by_rank = {self.group.rank_of(m): s for m, s in self.samples.get(span, {}).items()}
         return span_verdict(statement, by_rank, held, randomness, self.config, is_state_round(self.group.round_id))
-
-    # --- disputes -----------------------------------------------------------------------------------------------
-
-    async def judge(self, span: int, index: int, rows: dict[int, bytes] | None) -> None:
-        """Decides who lied about chunk ``index`` of span ``span`` from the rows its reducer revealed (None: it
-        did not answer) and accuses them (``accuse(peer, reason, evidence, proven)``)."""
-        statement = self.statements[span]
-        reducer = statement.reducer
-        out, signature, _ = self.outputs[span][index]
-        signed = output_signed(statement, index, out, signature, self.keys)
-        if rows is None:
-            self.accuse(reducer, f"did not reveal the rows of chunk {index} of its span when challenged", None,
-                        False)
-            return
-        by_rank = {self.group.rank_of(m): s for m, s in self.samples.items()}
-        judgment = await asyncio.to_thread(judge_chunk, statement, index, self.group, rows,
-                                           out if signed else None, by_rank, self.config, self.keys)
-        for member, why in judgment.members.items():
-            rank = self.group.rank_of(member)
-            self.accuse(member, why, false_samples(statement, index, self.samples[member], rank, rows[rank]), True)
-        if judgment.reducer is not None:
-            self.accuse(reducer, judgment.reducer, bad_reduction(statement, index, out, signature, rows), True)
-        elif judgment.unanswered is not None:
-            self.accuse(reducer, judgment.unanswered, None, False)
-        elif not signed:
-            self.accuse(reducer, f"sent an average of chunk {index} its own signature does not cover", None, False)
