@@ -65,9 +65,10 @@ def _lying_combine(self: robust.RobustChunks, index: int, included: set[str], nu
 
 def _lying_rows(key: Any, round_id: str, randomness: RoundRandomness, rows: dict[int, OwnRow],
                 with_sketch: bool) -> pb.MemberSamples:
-    span, stated = STATED.pop(round_id, (-1, {}))
-    if span not in rows or not stated:
+    span, stated = STATED.get(round_id, (-1, {}))
+    if span not in rows or not stated:  # samples go out span by span: another span's
         return _honest_rows(key, round_id, randomness, rows, with_sketch)
+    del STATED[round_id]
     own = rows[span]
     sampled, sketched = own.row.clone(), own.row.clone()
     envelopes, norms = list(own.envelopes), list(own.norms)
