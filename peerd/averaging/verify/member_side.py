@@ -1,9 +1,9 @@
 """A member's side of a span's verification, on the stream its contribution went out on (sender.py): it takes the
 reducer's statement, sends its seed share and its samples of every span of the round as each is ready (every
 member needs every other's of each span, and this stream is how they reach the reducer at its end), waits for
-the verdict (round.py) and, if the span failed its checks, challenges the reducer: it asks for the rows of one chunk, reads them (or the silence) and has
-the round judge them. A challenge is also drawn by chance to audit a span that passed (audits.py): it is made
-after the round, on the same stream."""
+the verdict (round.py) and, if the span failed its checks, challenges the reducer: it asks for the rows of one
+chunk, reads them (or the silence) and judges them (``judge``). A challenge is also drawn by chance to audit a
+span that passed (audits.py): it is made after the round, on the same stream."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ async def check_span(v: RoundVerification, span: int, member: str, chunks: list[
 async def _send_checks(v: RoundVerification, writer: asyncio.StreamWriter, report: RoundReport) -> int:
     """Writes this member's seed share and samples of every span as each is ready (shares first: the others'
     samples wait for them); returns how many samples messages went out."""
-    shares = {asyncio.ensure_future(v.reveal(s)): s for s in range(len(v.spans))}
+    shares = {asyncio.ensure_future(v.reveal(s)): s for s in range(len(v.spans))}  # shielded futures already
     samples = {asyncio.ensure_future(v.my_samples(s)): s for s in range(len(v.spans))}
     pending: set[asyncio.Future[Any]] = set(shares) | set(samples)
     count = 0

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import torch
 from google.protobuf.message import DecodeError
@@ -43,6 +44,15 @@ _AUDIT = random.SystemRandom()
 
 
 Accuse = Callable[[str, str, Evidence | None, bool], None]
+T = TypeVar("T")
+
+
+def _shared(started: dict[int, asyncio.Future[T]], span: int, start: Callable[[int], Coroutine[Any, Any, T]]
+            ) -> Awaitable[T]:
+    """``start(span)``, run once however many wait for it; shielded, so that one waiter given up cancels nothing."""
+    if span not in started:
+        started[span] = asyncio.ensure_future(start(span))
+    return asyncio.shield(started[span])
 
 
 class RoundVerification:
@@ -123,9 +133,7 @@ class RoundVerification:
         will, or the verification timeout passed). Revealed before, the share could let the span's reducer (or
         one it colludes with, done first) draw the span's seed before it commits: told the seed, it could lie
         wherever no sample falls. A statement that comes later is not believed."""
-        if span not in self._reveals:
-            self._reveals[span] = asyncio.ensure_future(self._reveal(span))
-        return asyncio.shield(self._reveals[span])
+        return _shared(self._reveals, span, self._reveal)
 
     async def _reveal(self, span: int) -> bytes:
         if not await self._until(lambda: span in self.stated):
@@ -185,9 +193,7 @@ class RoundVerification:
     # --- the seeds and this member's samples -------------------------------------------------------------------
 
     def randomness(self, span: int) -> Awaitable[RoundRandomness]:
-        if span not in self._randomness:
-            self._randomness[span] = asyncio.ensure_future(self._draw(span))
-        return asyncio.shield(self._randomness[span])
+        return _shared(self._randomness, span, self._draw)
 
     async def _draw(self, span: int) -> RoundRandomness:
         """Span ``span``'s seed from the shares of every member that committed to them in a request to this peer (a
@@ -208,9 +214,7 @@ class RoundVerification:
 
     def my_samples(self, span: int) -> Awaitable[pb.Signed | None]:
         """This member's signed samples of its row in span ``span`` (None: it has no row there)."""
-        if span not in self._mine:
-            self._mine[span] = asyncio.ensure_future(self._build_mine(span))
-        return asyncio.shield(self._mine[span])
+        return _shared(self._mine, span, self._build_mine)
 
     async def _build_mine(self, span: int) -> pb.Signed | None:
         randomness = await self.randomness(span)  # after settled: this member's own row is in own_rows by then
