@@ -12,13 +12,17 @@ member can claim any step, any samples and any state. So this peer believes:
 - **samples** towards a step as far as the aggregation will weigh them: with a robust rule, a member's
   claimed samples count at most ``averaging.max_weight_ratio`` times the (lower) median claim at the step,
   the same cap its contribution's weight gets in the round; with ``mean``, as claimed.
-- members this peer caught lying (:class:`~peerd.training.distrust.Distrust`) not at all, while excluded.
+- members this peer caught lying not at all, while excluded: as a state donor
+  (:class:`~peerd.training.distrust.Distrust`) or in a round (the all-reduce's ban list, ``banned``). A member
+  banned from this peer's rounds is not waited for in them either: counted among the trainers a round expects,
+  it kept every round's leader waiting out its whole matchmaking window for a registration that never counts.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from peerd.training.distrust import Distrust
 from peerd.training.progress import ProgressRecord, SwarmProgress
@@ -37,19 +41,27 @@ class Vouched:
 
 class Evidence:
     def __init__(self, me: str, vouchers: int, weight_ratio: float | None, distrust: Distrust,
-                 lag_grace: float = 10.0) -> None:
+                 lag_grace: float = 10.0, banned: Callable[[str], bool] = lambda _: False) -> None:
         """``weight_ratio``: the aggregation's cap on a claimed weight relative to the median (None: uncapped).
-        ``lag_grace``: seconds a member that fell behind still counts as coming to our rounds."""
+        ``lag_grace``: seconds a member that fell behind still counts as coming to our rounds. ``banned``: whether
+        this peer's rounds exclude a member now (it lied in one)."""
         self.me = me
         self.vouchers = vouchers
         self.weight_ratio = weight_ratio
         self.distrust = distrust
         self.lag_grace = lag_grace
+        self.banned = banned
         self._near: dict[str, float] = {}  # peer -> time.monotonic() it was last within a step of ours
 
     def others(self, view: SwarmProgress) -> dict[str, ProgressRecord]:
         """The records that count: every trainer with our fingerprint but this one and those excluded."""
-        return {peer: p for peer, p in view.peers.items() if peer != self.me and not self.distrust.excluded(peer)}
+        return {peer: p for peer, p in view.peers.items()
+                if peer != self.me and not self.distrust.excluded(peer) and not self.banned(peer)}
+
+    def counted(self, view: SwarmProgress) -> SwarmProgress:
+        """``view`` without the members excluded now (lockstep waits for every trainer it shows)."""
+        kept = {peer: p for peer, p in view.peers.items() if peer == self.me or peer in self.others(view)}
+        return replace(view, peers=kept)
 
     def quorum(self, others: int) -> int:
         return min(self.vouchers + 1, others)

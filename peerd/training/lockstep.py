@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from peerd.config import TrainingConfig
 from peerd.errors import ConfigError
@@ -49,13 +49,15 @@ def share(config: TrainingConfig, batch_size: int) -> int | None:
 
 
 async def wait_for_shares(progress: ProgressTracker, me: str, step: int, samples_per_step: int, timeout: float,
-                          stop: asyncio.Event, count_next_step: bool) -> int:
+                          stop: asyncio.Event, count_next_step: bool,
+                          counted: Callable[[SwarmProgress], SwarmProgress] = lambda view: view) -> int:
     """Waits (at most ``timeout``) until every trainer at ``step``, or finishing the previous one, has its
     share; returns how many trainers at this step have theirs, this one included (the expected group size).
-    ``count_next_step`` (diloco): peers one phase ahead have just ended this one and join its round too."""
+    ``count_next_step`` (diloco): peers one phase ahead have just ended this one and join its round too.
+    ``counted``: the view without the members this peer excludes (``Evidence.counted``), never waited for."""
     deadline = time.monotonic() + timeout
     while True:
-        view = await progress.refresh()
+        view = counted(await progress.refresh())
         missing = waiting_for(view, me, step, samples_per_step)
         if not missing or stop.is_set():
             break

@@ -88,7 +88,8 @@ class CollaborativeTrainer:
         robust = averaging.aggregation != "mean"
         self.evidence = Evidence(self.peer_id, config.state_transfer.vouchers,
                                  averaging.max_weight_ratio if robust else None, distrust,
-                                 lag_grace=config.progress_ttl)
+                                 lag_grace=config.progress_ttl,
+                                 banned=lambda peer: self.reducer.bans.get(peer) is not None)
         self.mode: Mode = DilocoMode(self) if config.mode == "diloco" else SyncMode(self)
         transfer = config.state_transfer
         self.joining = Joining(self, guard, task.fingerprint, distrust)
@@ -149,7 +150,8 @@ class CollaborativeTrainer:
                         await self.publish()  # the others may be waiting for exactly this record
                         shares = functools.partial(
                             lockstep.wait_for_shares, self.progress, self.peer_id, self.step, self.lockstep,
-                            self.config.lockstep_timeout, stop, count_next_step=self.mode.ahead_ok > 0)
+                            self.config.lockstep_timeout, stop, count_next_step=self.mode.ahead_ok > 0,
+                            counted=self.evidence.counted)
                         if self.mode.rounds_in_background:
                             await self.mode.end_step(shares)  # the round waits for them, not the next step
                         else:

@@ -129,6 +129,20 @@ def test_rounds_expect_members_near_this_step_and_not_a_liar_far_off(monkeypatch
     assert judge.peers_near(view(record(ME, 50)), 50) == 1
 
 
+def test_a_member_banned_from_this_peers_rounds_is_neither_expected_in_them_nor_believed() -> None:
+    # a reducer proven to lie stays at the step, registering; counted, every round's leader waited out its window
+    banned = {LIAR}
+    judge = Evidence(ME, 1, 1.0, Distrust(), lag_grace=10.0, banned=banned.__contains__)
+    swarm = view(record(ME, 10), record(A, 10), record(B, 10), record(LIAR, 10))
+    assert judge.peers_near(swarm, 10) == 3
+    assert evidence().peers_near(swarm, 10) == 4
+    ahead = view(record(ME, 1), record(A, 1), record(LIAR, 9_999), record(B, 9_999))
+    assert judge.believed_step(ahead) == 1
+    assert set(judge.counted(swarm).peers) == {ME, A, B}  # lockstep waits for no banned member's share
+    banned.clear()  # the ban expired: it counts again
+    assert judge.peers_near(swarm, 10) == 4
+
+
 def test_claims_beyond_a_step_ahead_of_what_is_believed_are_listed() -> None:
     swarm = view(record(ME, 10), record(A, 10), record(B, 11), record(LIAR, 30_010))
     assert evidence().unbelieved(swarm, 10) == {LIAR: 30_010}
