@@ -60,7 +60,9 @@ class Evidence:
 
     def counted(self, view: SwarmProgress) -> SwarmProgress:
         """``view`` without the members excluded now (lockstep waits for every trainer it shows)."""
-        kept = {peer: p for peer, p in view.peers.items() if peer == self.me or peer in self.others(view)}
+        kept = self.others(view)
+        if self.me in view.peers:
+            kept[self.me] = view.peers[self.me]
         return replace(view, peers=kept)
 
     def quorum(self, others: int) -> int:
